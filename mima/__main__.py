@@ -1,0 +1,5 @@
+import sys
+
+from mima.cli import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""The embedded task suite: scikit-learn's bundled 8x8 handwritten digits (1797 real images).
+
+Every task classifies the digit 0-9, but sees it through a different geometric transform, so
+each task needs its own features:
+  upright   the digits as written (the domain the embedded CLIP is pretrained on)
+  rot90 / rot180 / rot270   rotated counter-clockwise by that many degrees
+  mirror    flipped left-right
+Splits are shared by all tasks: 30% test, then validation = 10% of the rest (fixed seeds).
+Images are scaled to [-1, 1], upsampled bilinearly to the model's input size, three channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from mima.data.splits import carve_validation, holdout_split
+from mima.data.tasks import LoadOptions, TaskData, TaskSpec
+
+CLASSNAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+TEMPLATES = (
+    "a photo of the number {}.",
+    "a handwritten digit {}.",
+    "an image of the digit {}.",
+)
+TEST_FRACTION = 0.3
+TEST_SPLIT_SEED = 20240601
+
+TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "upright": lambda image: image,
+    "rot90": lambda image: np.rot90(image, k=1),
+    "rot180": lambda image: np.rot90(image, k=2),
+    "rot270": lambda image: np.rot90(image, k=3),
+    "mirror": lambda image: np.fliplr(image),
+}
+DEFAULT_TASKS = ("rot90", "rot180", "rot270", "mirror")
+
+
+@lru_cache(maxsize=1)
+def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
+
+
+def split_indices(split_seed: int) -> dict[str, torch.Tensor]:
+    """Indices of the train / val / test examples (the same for every task)."""
+    images, _ = _raw_digits()
+    rest, test = holdout_split(len(images), TEST_FRACTION, TEST_SPLIT_SEED + split_seed)
+    train_pos, val_pos = carve_validation(len(rest), split_seed)
+    return {"train": rest[train_pos], "val": rest[val_pos], "test": test}
+
+
+def transformed_images(transform: str, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1797 digits under `transform`, as [N, 3, size, size] tensors in [-1, 1], and labels."""
+    images, labels = _raw_digits()
+    moved = np.stack([np.ascontiguousarray(TRANSFORMS[transform](image)) for image in images])
+    pixels = torch.from_numpy(moved).unsqueeze(1) / 8.0 - 1.0  # the raw values run 0..16
+    pixels = F.interpolate(pixels, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    return pixels.expand(-1, 3, -1, -1).contiguous(), torch.from_numpy(labels)
+
+
+def _loader(transform: str) -> Callable[[LoadOptions], TaskData]:
+    def load(options: LoadOptions) -> TaskData:
+        pixels, labels = transformed_images(transform, options.image_size)
+        splits = split_indices(options.split_seed)
+        return TaskData(**{name: TensorDataset(pixels[idx], labels[idx]) for name, idx in splits.items()})
+
+    return load
+
+
+TASKS: dict[str, TaskSpec] = {
+    name: TaskSpec(name=name, classnames=CLASSNAMES, templates=TEMPLATES, load=_loader(name)) for name in TRANSFORMS
+}

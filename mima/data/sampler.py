@@ -1,0 +1,90 @@
+"""The MIMA batch schedule: batch b of process step g depends only on (seed, task, per-task step).
+
+Each task reads its training set as an endless stream of seeded permutations (one per epoch of
+that task); per-task step s takes stream positions [s*B, (s+1)*B). Because nothing depends on
+which process runs a task or on what ran before it, a run resumed at step g, a run with tasks
+spread over several processes, and a single-task fine-tune all see the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from mima.training.plan import PhasePlan
+
+
+def stream_seed(seed: int, task: str, epoch: int) -> int:
+    """A 63-bit seed for one epoch of one task, stable across processes and Python runs."""
+    digest = hashlib.sha256(f"mima/{seed}/{task}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class TaskStream:
+    """Example indices of one task's training set, epoch after epoch, each epoch a fresh permutation."""
+
+    def __init__(self, task: str, size: int, seed: int) -> None:
+        if size < 1:
+            raise ValueError(f"task '{task}' has an empty training set")
+        self.task, self.size, self.seed = task, size, seed
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(stream_seed(self.seed, self.task, epoch))
+            self._epoch, self._order = epoch, torch.randperm(self.size, generator=generator)
+        return self._order
+
+    def batch(self, task_step: int, batch_size: int) -> list[int]:
+        start = task_step * batch_size
+        indices = []
+        for position in range(start, start + batch_size):
+            epoch, offset = divmod(position, self.size)
+            indices.append(int(self._permutation(epoch)[offset]))
+        return indices
+
+
+class MultiTaskDataset(Dataset):
+    """Indexed by (slot, example): returns (image, label, slot) from the slot-th task's dataset."""
+
+    def __init__(self, datasets: Sequence[Dataset]) -> None:
+        self.datasets = list(datasets)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.datasets)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: tuple[int, int]):
+        slot, example = index
+        image, label = self.datasets[slot][example]
+        return image, label, slot
+
+
+class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Yields, for process steps start_step .. end, the batch of (slot, example) pairs of that step."""
+
+    def __init__(
+        self,
+        plan: PhasePlan,
+        train_sizes: Sequence[int],
+        batch_size: int,
+        seed: int,
+        start_step: int = 0,
+    ) -> None:
+        if len(train_sizes) != len(plan.local_tasks):
+            raise ValueError("one training-set size per local task is needed")
+        self.plan, self.batch_size, self.start_step = plan, batch_size, start_step
+        self.streams = [
+            TaskStream(plan.tasks[task_index], size, seed) for task_index, size in zip(plan.local_tasks, train_sizes)
+        ]
+
+    def __len__(self) -> int:
+        return self.plan.local_steps - self.start_step
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for step in range(self.start_step, self.plan.local_steps):
+            position = self.plan.position(step)
+            examples = self.streams[position.slot].batch(position.task_step, self.batch_size)
+            yield [(position.slot, example) for example in examples]

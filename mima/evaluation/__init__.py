@@ -1,0 +1,1 @@
+"""Evaluation: per-task accuracy, the Table-1 style report, plots."""

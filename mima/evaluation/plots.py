@@ -1,0 +1,64 @@
+"""Plots of a sweep over N: merged accuracy vs N, and task-vector alignment vs N."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from mima.evaluation.report import ModelResult  # noqa: E402
+
+
+def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
+    n_values = sorted({r.N for r in results})
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    styles = {"fine_tuned": dict(color="black", linestyle="--"), "zero_shot": dict(color="grey", linestyle=":")}
+    for model in dict.fromkeys(r.model for r in results):
+        points = sorted((r.N, 100 * r.mean) for r in results if r.model == model)
+        label = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)"}.get(model, model)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label, **styles.get(model, {}))
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(n_values, [str(n) for n in n_values])
+    axis.set_xlabel("MIMA iterations N (fixed budget S per task)")
+    axis.set_ylabel("average test accuracy over tasks (%)")
+    axis.set_title("Merged-model accuracy vs N")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_cosine_vs_n(
+    pairwise_cos_tau: Mapping[int, Sequence[float]],
+    phase_records: Mapping[int, Sequence[Mapping]],
+    path: Path,
+) -> None:
+    """Left: box plot of the final task vectors' pairwise cosines per N (paper 001 Fig. 5).
+    Right: mean pairwise cosine of tau and delta at the end of each phase (paper 001 Fig. 11)."""
+    n_values = sorted(pairwise_cos_tau)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.boxplot([list(pairwise_cos_tau[n]) for n in n_values], tick_labels=[str(n) for n in n_values])
+    left.set_xlabel("MIMA iterations N")
+    left.set_ylabel("pairwise cosine of final task vectors tau_t")
+    left.set_title("Task-vector alignment vs N")
+    left.grid(alpha=0.3)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, n in enumerate(sorted(phase_records)):
+        records = phase_records[n]
+        steps = [r["step"] for r in records]
+        color = colors[index % len(colors)]
+        right.plot(steps, [r["mean_cos_tau"] for r in records], marker="o", color=color, label=f"tau, N={n}")
+        right.plot(steps, [r["mean_cos_delta"] for r in records], marker="x", linestyle="--", color=color, label=f"delta, N={n}")
+    right.set_xlabel("per-task optimiser step (end of phase)")
+    right.set_ylabel("mean pairwise cosine")
+    right.set_title("tau (task vector) vs delta (phase update)")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,42 @@
+"""Task arithmetic: theta = theta_0 + lam * sum_t (theta_t - theta_0).
+
+Ilharco et al. 2023, "Editing models with task arithmetic", https://arxiv.org/abs/2212.04089.
+lam is searched over 0, 0.05, ..., 1.0 on validation data (paper 001, section 5); 0.4 without
+validation. Every floating tensor (matrices, biases, norms, embeddings) follows the same rule;
+integer tensors come from theta_0.
+"""
+
+from __future__ import annotations
+
+from mima.merging.registry import MergeMethod, combine, floating_keys, register
+from mima.state_dicts import accumulator
+
+
+def task_vector_sum(models, base):
+    """(theta_0, sum_t tau_t)."""
+    direction = {}
+    for key in floating_keys(base):
+        total = accumulator(base[key])
+        for model in models:
+            total += model[key] - base[key].to(total.dtype)
+        direction[key] = total
+    return base, direction
+
+
+def task_arithmetic(models, base, lam: float):
+    anchor, direction = task_vector_sum(models, base)
+    return combine(anchor, direction, lam)
+
+
+register(
+    MergeMethod(
+        name="task_arithmetic",
+        fn=task_arithmetic,
+        paper="https://arxiv.org/abs/2212.04089",
+        summary="pretrained model plus lam times the sum of task vectors",
+        needs_base=True,
+        defaults={"lam": 0.4},
+        grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
+        direction_fn=task_vector_sum,
+    )
+)

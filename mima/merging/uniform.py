@@ -1,0 +1,25 @@
+"""Uniform weight averaging: theta = mean_t theta_t.
+
+Model soups, Wortsman et al. 2022, https://arxiv.org/abs/2203.05482; the merge MIMA is built
+around (paper 001). Every floating tensor is averaged; integer tensors come from the first model.
+"""
+
+from __future__ import annotations
+
+from mima.merging.registry import MergeMethod, register
+from mima.state_dicts import mean_state_dict
+
+
+def uniform(models, base=None):
+    return mean_state_dict(models)
+
+
+register(
+    MergeMethod(
+        name="uniform",
+        fn=uniform,
+        paper="https://arxiv.org/abs/2203.05482",
+        summary="element-wise mean of the fine-tuned models",
+        needs_base=False,
+    )
+)

@@ -1,0 +1,1 @@
+"""MIMA training: the phase plan, the LightningModule, the synchronisation callback, `mima fit`."""

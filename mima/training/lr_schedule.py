@@ -1,0 +1,42 @@
+"""Learning-rate factors as a function of a task's own step count.
+
+The paper's recipe (paper 001, section 5; task_vectors' `cosine_lr`): linear warm-up
+lr * (s + 1) / w for s < w, then cosine decay 0.5 * (1 + cos(pi * (s - w) / (S - w))) over the
+rest of the budget. `scope="run"` (the default) runs this once over the whole budget S, keyed on
+the task step s; `scope="phase"` restarts it in every phase over K steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from mima.training.plan import PhasePlan
+
+ScheduleName = Literal["cosine", "constant"]
+ScheduleScope = Literal["run", "phase"]
+
+
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / span))
+
+
+def warmup_constant(step: int, warmup: int) -> float:
+    return (step + 1) / warmup if step < warmup else 1.0
+
+
+def lr_factor(plan: PhasePlan, process_step: int, schedule: ScheduleName, scope: ScheduleScope, warmup: int) -> float:
+    """The factor multiplying the base learning rate at process step `process_step`."""
+    step = min(process_step, plan.local_steps - 1)  # Lightning evaluates one step past the end
+    position = plan.position(step)
+    if scope == "run":
+        local_step, total = position.task_step, plan.total_steps
+    else:
+        local_step, total = position.step_in_phase, plan.steps_per_phase
+    warmup = min(warmup, total)
+    if schedule == "cosine":
+        return warmup_cosine(local_step, total, warmup)
+    return warmup_constant(local_step, warmup)

@@ -1,0 +1,161 @@
+"""The LightningModule: fine-tunes one CLIP image encoder on a process's tasks, one task per batch.
+
+Only the image encoder is trained. Each task classifies with its own frozen zero-shot head.
+The text tower is used once, to build (or read from cache) the heads, and then dropped, so no
+untrained parameter reaches the optimiser or DDP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+
+from mima.errors import MimaError
+from mima.models.classifier import classify
+from mima.models.clip import LoadedClip, default_cache_dir, load_clip, text_tower_fingerprint
+from mima.models.heads import cached_zero_shot_head
+from mima.training.lr_schedule import ScheduleName, ScheduleScope, lr_factor
+from mima.training.plan import PhasePlan, check_budget
+
+OptimizerState = Literal["reset", "keep"]
+
+
+class _Detached:
+    """Holds a module without registering it as a submodule (the text tower, until heads exist)."""
+
+    def __init__(self, value: LoadedClip | None) -> None:
+        self.value = value
+
+
+class MimaModule(L.LightningModule):
+    """MIMA fine-tuning of an open_clip image encoder. Defaults are the paper's recipe (paper 001,
+    section 5: ViT-B/32, AdamW lr 1e-5, weight decay 0.1, 200 warm-up steps, cosine over S = 2000).
+
+    Args:
+        clip: open_clip model: an architecture name, `local-dir:PATH`, or `embedded:tiny-digits`.
+        pretrained: pretrained tag or checkpoint file for an architecture name (ignored for
+            `local-dir:` and `embedded:` models, which carry their weights).
+        steps: S, optimiser steps per task over the whole run.
+        iterations: N, the number of MIMA phases; K = S / N steps per task per phase. N = 1 is
+            independent fine-tuning.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps (counted in per-task steps).
+        lr_schedule: "cosine" (warm-up then cosine decay) or "constant" (warm-up then flat).
+        schedule_scope: "run": one schedule over the task's S steps (default); "phase": restart it
+            every phase over K steps.
+        optimizer_state: "reset": fresh AdamW moments for every task segment (each phase is a new
+            fine-tune from the average); "keep": each task keeps its own moments across phases
+            (costs two encoder-sized buffers per task on the process).
+        cache_dir: where the embedded model and zero-shot heads are cached (default $MIMA_CACHE_DIR
+            or ~/.cache/mima).
+    """
+
+    def __init__(
+        self,
+        clip: str = "ViT-B-32",
+        pretrained: str | None = "openai",
+        steps: int = 2000,
+        iterations: int = 20,
+        lr: float = 1e-5,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 200,
+        lr_schedule: ScheduleName = "cosine",
+        schedule_scope: ScheduleScope = "run",
+        optimizer_state: OptimizerState = "reset",
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        check_budget(steps, iterations)
+        if lr <= 0:
+            raise MimaError(f"model.lr must be positive, got {lr}")
+        if warmup_steps < 0:
+            raise MimaError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
+        self.save_hyperparameters()
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
+        self.encoder = loaded.encoder
+        self.image_size = loaded.image_size
+        self._text = _Detached(loaded)
+        self.plan: PhasePlan | None = None
+        self.task_names: list[str] = []
+
+    # ----------------------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        if self.plan is not None:
+            return
+        datamodule = self.trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "task_specs"):
+            raise MimaError("MimaModule needs a TaskSuiteDataModule (the `data:` section of the config)")
+        self.task_names = list(datamodule.task_names)
+        self.plan = PhasePlan(
+            tasks=tuple(self.task_names),
+            local_tasks=tuple(range(len(self.task_names))),
+            total_steps=self.hparams.steps,
+            iterations=self.hparams.iterations,
+        )
+        for slot, task_index in enumerate(self.plan.local_tasks):
+            spec = datamodule.task_specs[task_index]
+            self.register_buffer(f"head_{slot}", self._zero_shot_head(spec), persistent=False)
+        self._text.value = None  # the text tower is no longer needed
+        self.encoder.requires_grad_(True)
+
+    def on_fit_start(self) -> None:
+        # open_clip returns models in eval mode and Lightning keeps module modes as they are.
+        self.encoder.train()
+
+    def _zero_shot_head(self, spec) -> torch.Tensor:
+        loaded = self._text.value
+        if loaded is None:
+            raise RuntimeError("zero-shot heads must be built before the text tower is dropped")
+        if not hasattr(self, "_fingerprint"):
+            self._fingerprint = text_tower_fingerprint(loaded.model)
+        return cached_zero_shot_head(
+            loaded.model,
+            loaded.tokenizer,
+            spec.classnames,
+            spec.templates,
+            self.cache_dir,
+            spec.name,
+            fingerprint=self._fingerprint,
+        )
+
+    def head(self, slot: int) -> torch.Tensor:
+        return getattr(self, f"head_{slot}")
+
+    # -------------------------------------------------------------------------- training
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels, slots = batch
+        position = self.plan.position(self.global_step)
+        if int(slots[0]) != position.slot or bool((slots != slots[0]).any()):
+            raise RuntimeError(f"batch at step {self.global_step} does not belong to task slot {position.slot}")
+        logits = classify(self.encoder, self.head(position.slot), images)
+        loss = F.cross_entropy(logits, labels)
+        task = self.plan.tasks[position.task_index]
+        self.log(f"train/loss/{task}", loss, on_step=True, on_epoch=False, prog_bar=False)
+        self.log("task", float(position.task_index), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        self.log("phase", float(position.phase + 1), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            [p for p in self.encoder.parameters() if p.requires_grad],
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+        )
+        plan, hp = self.plan, self.hparams
+        scheduler = LambdaLR(
+            optimizer,
+            lambda step: lr_factor(plan, step, hp.lr_schedule, hp.schedule_scope, hp.warmup_steps),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self):
+        from mima.training.sync import MimaSyncCallback
+
+        return [MimaSyncCallback()]

@@ -1,0 +1,64 @@
+"""Shared fixtures: a small open_clip CLIP saved like a downloaded checkpoint, and a private cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+
+from mima.safetensors_io import save_state_dict
+
+# A small CLIP with the digits suite's 16x16 input. The text tower keeps open_clip's BPE vocabulary
+# (so the real tokenizer works) but is otherwise tiny.
+SMALL_CLIP_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+def save_local_dir_clip(folder: Path, cfg: dict, seed: int) -> Path:
+    """Write an open_clip model folder (open_clip_config.json + open_clip_model.safetensors)."""
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(**cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
+    save_state_dict(folder / "open_clip_model.safetensors", model.state_dict())
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Path:
+    """Every test session pretrains/caches into its own folder: no state leaks in from ~/.cache."""
+    cache = tmp_path_factory.mktemp("mima-cache")
+    patcher = pytest.MonkeyPatch()
+    patcher.setenv("MIMA_CACHE_DIR", str(cache))
+    yield cache
+    patcher.undo()
+
+
+@pytest.fixture(scope="session")
+def small_clip(tmp_path_factory) -> str:
+    """`local-dir:` name of a small random CLIP, loaded through open_clip's checkpoint path."""
+    folder = save_local_dir_clip(tmp_path_factory.mktemp("small-clip"), SMALL_CLIP_CFG, seed=7)
+    return f"local-dir:{folder}"
+
+
+def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: int, **model) -> dict:
+    """A `mima fit` config dict for quick CPU runs of the small CLIP on digits tasks."""
+    return {
+        "seed_everything": 0,
+        "model": {"clip": clip, "steps": steps, "iterations": iterations, "lr": 1e-3, "warmup_steps": 2, **model},
+        "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+        },
+        "out": str(out),
+    }

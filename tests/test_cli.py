@@ -1,0 +1,186 @@
+"""The command line: bad input gives one clear line, exit status 2 and no partial output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import open_clip
+import pytest
+import torch
+
+from mima.cli import main
+from mima.data import digits
+from mima.evaluation.accuracy import TaskEvaluator
+from mima.models.heads import zero_shot_head
+from mima.safetensors_io import load_state_dict, read_metadata, save_state_dict
+from tests.conftest import fit_config
+
+
+@pytest.fixture
+def checkpoints(tmp_path, small_clip):
+    """theta_0 and two fine-tuned-like state dicts of the small CLIP's image encoder."""
+    encoder = open_clip.create_model(small_clip).visual
+    base = {k: v.clone() for k, v in encoder.state_dict().items()}
+    paths = {"base": tmp_path / "base.safetensors"}
+    save_state_dict(paths["base"], base)
+    for index in (1, 2):
+        g = torch.Generator().manual_seed(index)
+        model = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        paths[f"m{index}"] = tmp_path / f"m{index}.safetensors"
+        save_state_dict(paths[f"m{index}"], model)
+    return paths
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("method, extra", [("uniform", []), ("task_arithmetic", ["--lam", "0.3"]),
+                                           ("ties", ["--lam", "1.0", "--k", "20"]), ("cart", ["--rank-ratio", "0.25"])])
+def test_merge_writes_a_state_dict_that_loads_strictly_and_evaluates(checkpoints, small_clip, tmp_path, method, extra, capsys):
+    out = tmp_path / f"{method}.safetensors"
+    code, err = _run(["merge", "--method", method, "--base", checkpoints["base"], "--models", checkpoints["m1"],
+                      checkpoints["m2"], "--output", out, *extra], capsys)
+    assert code == 0, err
+    merged = load_state_dict(out)
+    assert read_metadata(out)["method"] == method
+    clip = open_clip.create_model(small_clip)
+    clip.visual.load_state_dict(merged, strict=True)
+    tokenizer = open_clip.get_tokenizer(small_clip)
+    head = zero_shot_head(clip, tokenizer, digits.CLASSNAMES, digits.TEMPLATES)
+    test_set = digits.TASKS["rot90"].load(digits.LoadOptions(image_size=16)).test
+    accuracy = TaskEvaluator(clip.visual, {"rot90": head}, {"rot90": test_set}).accuracy(merged)["rot90"]
+    images, labels = test_set.tensors
+    with torch.no_grad():  # the same accuracy, by hand
+        features = torch.nn.functional.normalize(clip.visual(images), dim=-1)
+        by_hand = float(((features @ head.T).argmax(1) == labels).float().mean())
+    assert accuracy == pytest.approx(by_hand)
+
+
+def test_merge_uniform_without_base(checkpoints, tmp_path, capsys):
+    out = tmp_path / "u.safetensors"
+    code, _ = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], checkpoints["m2"], "--output", out], capsys)
+    assert code == 0
+    a, b, merged = (load_state_dict(p) for p in (checkpoints["m1"], checkpoints["m2"], out))
+    torch.testing.assert_close(merged["proj"], (a["proj"] + b["proj"]) / 2)
+
+
+def _mutated(path, tmp_path, name, change):
+    state = load_state_dict(path)
+    change(state)
+    target = tmp_path / name
+    save_state_dict(target, state)
+    return target
+
+
+@pytest.mark.parametrize(
+    "name, change, fragments",
+    [
+        ("missing_key.safetensors", lambda s: s.pop("proj"), ["key 'proj'", "base.safetensors", "missing_key.safetensors"]),
+        ("bad_shape.safetensors", lambda s: s.update(proj=torch.zeros(3, 3)), ["key 'proj': shape", "bad_shape.safetensors"]),
+        ("bad_dtype.safetensors", lambda s: s.update(proj=s["proj"].double()), ["key 'proj': dtype torch.float32", "bad_dtype.safetensors"]),
+    ],
+)
+def test_merge_rejects_incompatible_inputs(checkpoints, tmp_path, capsys, name, change, fragments):
+    bad = _mutated(checkpoints["m2"], tmp_path, name, change)
+    out = tmp_path / "out.safetensors"
+    code, err = _run(["merge", "--method", "task_arithmetic", "--base", checkpoints["base"], "--models",
+                      checkpoints["m1"], bad, "--output", out], capsys)
+    _assert_one_line_error(code, err, *fragments)
+    assert not out.exists() and not list(tmp_path.glob(".out.safetensors*"))
+
+
+def test_merge_rejects_missing_and_unreadable_files(checkpoints, tmp_path, capsys):
+    out = tmp_path / "out.safetensors"
+    code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], tmp_path / "nope.safetensors",
+                      "--output", out], capsys)
+    _assert_one_line_error(code, err, "nope.safetensors: no such file")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00\x01 not a tensor file")
+    code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], garbage, "--output", out], capsys)
+    _assert_one_line_error(code, err, "garbage.safetensors: not a readable safetensors file")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--method", "average"], ["unknown merge method 'average'", "known: cart, task_arithmetic, ties, uniform"]),
+        (["--method", "uniform", "--lam", "0.3"], ["--lam does not apply to merge method 'uniform'"]),
+        (["--method", "task_arithmetic"], ["needs the pretrained model: pass --base"]),
+        (["--method", "ties", "--k", "0"], ["--k is a percentage"]),
+        (["--method", "cart", "--rank-ratio", "2"], ["--rank-ratio is a fraction"]),
+    ],
+)
+def test_merge_option_errors(checkpoints, tmp_path, capsys, argv, fragments):
+    out = tmp_path / "out.safetensors"
+    code, err = _run(["merge", *argv, "--models", checkpoints["m1"], checkpoints["m2"], "--output", out], capsys)
+    _assert_one_line_error(code, err, *fragments)
+    assert not out.exists()
+
+
+def test_merge_never_overwrites_without_being_asked(checkpoints, tmp_path, capsys):
+    out = tmp_path / "precious.safetensors"
+    out.write_bytes(b"user data")
+    code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], checkpoints["m2"], "--output", out], capsys)
+    _assert_one_line_error(code, err, "precious.safetensors: already exists")
+    assert out.read_bytes() == b"user data"
+    code, _ = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], checkpoints["m2"], "--output", out,
+                    "--overwrite"], capsys)
+    assert code == 0 and out.read_bytes() != b"user data"
+
+
+def _fit_argv(tmp_path, small_clip, **changes) -> list[str]:
+    config = fit_config(tmp_path / "run", small_clip, ["rot90", "mirror"], steps=6, iterations=2)
+    argv = ["fit", "--model.clip", small_clip, "--out", config["out"], "--trainer.accelerator", "cpu",
+            "--trainer.enable_progress_bar", "false", "--model.steps", "6", "--model.iterations", "2"]
+    for key, value in changes.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+@pytest.mark.parametrize(
+    "changes, fragments",
+    [
+        ({"model.iterations": "4"}, ["model.iterations=4 does not divide model.steps=6"]),
+        ({"data.tasks": "[]"}, ["data.tasks: the task list is empty"]),
+        ({"data.tasks": "[rot90, upsidedown]"}, ["unknown task 'upsidedown'", "rot180"]),
+        ({"data.suite": "imagenet"}, ["data.suite: unknown suite 'imagenet'"]),
+        ({"model.clip": "ViT-Nope"}, ["unknown open_clip architecture 'ViT-Nope'"]),
+        ({"model.steps": "many"}, ["config:", "model.steps"]),
+        ({"trainer.max_steps": "10"}, ["trainer.max_steps", "model.steps and model.iterations"]),
+    ],
+)
+def test_fit_config_errors_are_one_line(tmp_path, small_clip, capsys, changes, fragments):
+    code, err = _run(_fit_argv(tmp_path, small_clip, **changes), capsys)
+    _assert_one_line_error(code, err, *fragments)
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_fit_refuses_to_overwrite_an_earlier_run(tmp_path, small_clip, capsys):
+    assert _run(_fit_argv(tmp_path, small_clip), capsys)[0] == 0
+    before = (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes()
+    code, err = _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01"}), capsys)
+    _assert_one_line_error(code, err, "already holds a run", "--overwrite")
+    assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() == before
+    assert _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01", "overwrite": "true"}), capsys)[0] == 0
+    assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() != before
+
+
+def test_console_entry_point_reports_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "nope", "--models", "a", "--output",
+                             str(tmp_path / "o.safetensors")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "mima merge: error: unknown merge method 'nope' (known: cart, task_arithmetic, ties, uniform)"
+    result = subprocess.run([sys.executable, "-m", "mima", "frobnicate"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr

@@ -1,0 +1,209 @@
+"""Merge strategies against independent computations (numpy, hand-worked examples, known identities)."""
+
+import numpy as np
+import pytest
+import torch
+
+from mima.errors import MimaError
+from mima.merging import MERGE_METHODS, get_method
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank
+from mima.merging.selection import merge_with_defaults, select_on_validation
+
+
+def _models(count: int, seed: int = 0, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    base = {
+        "transformer.resblocks.0.attn.in_proj_weight": torch.randn(12, 4, generator=g),
+        "transformer.resblocks.0.mlp.c_fc.weight": torch.randn(8, 4, generator=g),
+        "transformer.resblocks.0.mlp.c_fc.bias": torch.randn(8, generator=g),
+        "positional_embedding": torch.randn(5, 4, generator=g),
+        "proj": torch.randn(4, 3, generator=g),
+        "counter": torch.tensor(3),
+    }
+    models = []
+    for _ in range(count):
+        models.append({k: (v + scale * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone() for k, v in base.items()})
+    return base, models
+
+
+def test_registry_has_the_four_foundation_strategies():
+    assert {"uniform", "task_arithmetic", "ties", "cart"} <= set(MERGE_METHODS)
+    for method in MERGE_METHODS.values():
+        assert method.paper.startswith("https://arxiv.org/abs/")
+
+
+def test_uniform_is_the_mean():
+    _, models = _models(3)
+    merged = get_method("uniform")(models)
+    for key in models[0]:
+        if models[0][key].is_floating_point():
+            np.testing.assert_allclose(merged[key], np.mean([m[key].numpy() for m in models], axis=0), rtol=1e-6, atol=1e-6)
+    assert int(merged["counter"]) == 3
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_task_arithmetic_formula(lam):
+    base, models = _models(4, seed=1)
+    merged = get_method("task_arithmetic")(models, base, lam=lam)
+    for key, value in base.items():
+        if not value.is_floating_point():
+            continue
+        expected = value.numpy() + lam * sum(m[key].numpy() - value.numpy() for m in models)
+        np.testing.assert_allclose(merged[key].numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_task_arithmetic_with_one_over_t_is_the_uniform_average():
+    base, models = _models(4, seed=2)
+    merged = get_method("task_arithmetic")(models, base, lam=0.25)
+    uniform = get_method("uniform")(models)
+    for key in uniform:
+        torch.testing.assert_close(merged[key], uniform[key], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- TIES
+# Three task vectors over two tensors (10 entries in all), k = 40: kth = 10 - int(10 * 0.4) = 6, so
+# every entry at least as large as the 6th smallest magnitude survives (5 entries without ties, as
+# in the official code; more when magnitudes tie at the threshold).
+TAU = [
+    {"a": [[4, -1, 0.5], [2, -3, 1]], "b": [1, -2, 3, 5]},  # magnitudes ... 6th smallest = 2: keeps 4,2,-3,-2,3,5 (tie at 2)
+    {"a": [[-5, 1, 1], [-1, 3, 0.2]], "b": [-1, 2, -3, 0.3]},  # 6th smallest = 1: keeps every |x| >= 1 (8 entries)
+    {"a": [[1, 2, -2], [0, -1, 0.5]], "b": [2, 0, -1, 0]},  # 6th smallest = 1: keeps 1,2,-2,-1,2,-1
+]
+# Trimmed sums: a = [[0, 3, -1], [1, -1, 0]], b = [1, 0, -1, 5] -> elected signs with zeros at a[0,0],
+# a[1,2], b[1]; the signs sum to +1 over the model, so the majority sign + fills the zeros.
+# Disjoint means of the trimmed entries that agree with the elected sign:
+#   a[0,0] +: (4 + 1) / 2 = 2.5   a[0,1] +: (1 + 2) / 2 = 1.5   a[0,2] -: -2    a[1,0] +: 2
+#   a[1,1] -: (-3 - 1) / 2 = -2   a[1,2] +: nothing agrees -> 0  b = [2, 2, (-3 - 1) / 2, 5]
+TIES_EXPECTED = {"a": [[2.5, 1.5, -2.0], [2.0, -2.0, 0.0]], "b": [2.0, 2.0, -2.0, 5.0]}
+
+
+def _ties_inputs():
+    base = {"a": torch.ones(2, 3), "b": torch.full((4,), -1.0)}
+    models = [{k: base[k] + torch.tensor(v, dtype=torch.float32) for k, v in tau.items()} for tau in TAU]
+    return base, models
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_ties_hand_worked_example(lam):
+    base, models = _ties_inputs()
+    merged = get_method("ties")(models, base, lam=lam, k=40)
+    for key, expected in TIES_EXPECTED.items():
+        torch.testing.assert_close(merged[key], base[key] + lam * torch.tensor(expected))
+
+
+def test_ties_zero_majority_keeps_negative_entries_as_the_official_code():
+    base = {"x": torch.zeros(2)}
+    models = [{"x": torch.tensor([1.0, -1.0])}, {"x": torch.tensor([-1.0, 1.0])}]
+    merged = get_method("ties")(models, base, lam=1.0, k=100)
+    torch.testing.assert_close(merged["x"], torch.tensor([-1.0, -1.0]))
+
+
+def test_ties_global_and_per_tensor_trim():
+    # One task, k = 50. Global: n = 8, kth = 4, threshold 4 -> a survives whole, b keeps only 4.
+    # Per tensor: n = 4, kth = 2 -> a keeps |x| >= 20, b keeps |x| >= 2. One task elects its own signs.
+    base = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    model = {"a": torch.tensor([10.0, 20, 30, 40]), "b": torch.tensor([1.0, 2, 3, 4])}
+    ties = get_method("ties")
+    global_trim = ties([model], base, k=50)
+    per_tensor = ties([model], base, k=50, trim="per-tensor")
+    torch.testing.assert_close(global_trim["a"], torch.tensor([10.0, 20, 30, 40]))
+    torch.testing.assert_close(global_trim["b"], torch.tensor([0.0, 0, 0, 4]))
+    torch.testing.assert_close(per_tensor["a"], torch.tensor([0.0, 20, 30, 40]))
+    torch.testing.assert_close(per_tensor["b"], torch.tensor([0.0, 2, 3, 4]))
+
+
+# ---------------------------------------------------------------------------------- CART
+@pytest.mark.parametrize(
+    "shape, ratio, rank",
+    [((192, 64), 0.08, 5), ((10, 10), 0.08, 1), ((100, 50), 0.32, 16), ((100, 100), 0.29, 29), ((7, 9), 1.0, 7), ((7, 9), 0.0, 0)],
+)
+def test_cart_rank_rule(shape, ratio, rank):
+    assert cart_rank(shape, ratio) == rank
+
+
+def _numpy_truncated(matrix: np.ndarray, rank: int) -> np.ndarray:
+    u, s, vh = np.linalg.svd(matrix.astype(np.float64), full_matrices=False)
+    return (u[:, :rank] * s[:rank]) @ vh[:rank]
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_cart_low_rank_part_is_the_truncated_svd_of_centered_vectors(ratio):
+    base, models = _models(3, seed=3)
+    lam = 1.7
+    merged = get_method("cart")(models, base, lam=lam, rank_ratio=ratio)
+    for key, value in base.items():
+        if not value.is_floating_point():
+            continue
+        stacked = np.stack([m[key].numpy().astype(np.float64) for m in models])
+        average = stacked.mean(axis=0)
+        if key.endswith(("attn.in_proj_weight", "mlp.c_fc.weight")):
+            rank = max(1, int(np.floor(ratio * min(value.shape))))
+            expected = average + lam * sum(_numpy_truncated(t - average, rank) for t in stacked)
+        else:  # biases, positional embedding, projection: the plain average
+            expected = average
+        np.testing.assert_allclose(merged[key].numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hparams", [{"rank_ratio": 1.0, "lam": 2.3}, {"rank_ratio": 0.08, "lam": 0.0}])
+def test_cart_full_rank_or_zero_lambda_is_the_uniform_average(hparams):
+    base, models = _models(4, seed=4)
+    merged = get_method("cart")(models, base, **hparams)
+    uniform = get_method("uniform")(models)
+    for key in uniform:
+        torch.testing.assert_close(merged[key], uniform[key], rtol=1e-5, atol=1e-5)
+
+
+def test_cart_matrix_keys_select_only_attention_and_mlp_weights():
+    import re
+
+    keys = ["transformer.resblocks.3.attn.in_proj_weight", "transformer.resblocks.3.attn.out_proj.weight",
+            "transformer.resblocks.3.mlp.c_fc.weight", "transformer.resblocks.3.mlp.c_proj.weight"]
+    others = ["proj", "positional_embedding", "conv1.weight", "transformer.resblocks.3.mlp.c_fc.bias", "text_projection"]
+    assert all(re.search(DEFAULT_MATRIX_KEYS, k) for k in keys)
+    assert not any(re.search(DEFAULT_MATRIX_KEYS, k) for k in others)
+
+
+# ----------------------------------------------------------------------- registry, selection
+def test_registry_errors_are_clear():
+    base, models = _models(2)
+    with pytest.raises(MimaError, match="unknown merge method 'avg' \\(known: cart, task_arithmetic, ties, uniform"):
+        get_method("avg")
+    with pytest.raises(MimaError, match="merge method 'uniform' takes no hyperparameter 'lam'"):
+        get_method("uniform")(models, lam=0.3)
+    with pytest.raises(MimaError, match="needs the pretrained model"):
+        get_method("task_arithmetic")(models, None)
+
+
+def test_selection_keeps_the_best_grid_point_and_merges_with_it():
+    base, models = _models(3, seed=5)
+    method = get_method("task_arithmetic")
+    # A score with a known maximum on the grid: closeness of the merged bias to lam = 0.35.
+    target = get_method("task_arithmetic")(models, base, lam=0.35)
+    key = "transformer.resblocks.0.mlp.c_fc.bias"
+
+    def score(merged):
+        return -float((merged[key] - target[key]).abs().sum())
+
+    chosen = select_on_validation(method, models, base, score)
+    assert chosen.hparams["lam"] == pytest.approx(0.35)
+    assert len(chosen.trials) == len(method.grid["lam"])
+    torch.testing.assert_close(chosen.merged[key], target[key])
+
+
+def test_selection_over_cart_ratios_and_lambdas():
+    g = torch.Generator().manual_seed(6)
+    key = "transformer.resblocks.0.attn.in_proj_weight"  # 50 x 40: ratios 4/8/16/32% -> ranks 1/3/6/12
+    models = [{key: torch.randn(50, 40, generator=g)} for _ in range(3)]
+    base = None
+    method = get_method("cart")
+    target = method(models, base, rank_ratio=0.16, lam=2.2)
+    chosen = select_on_validation(method, models, base, lambda m: -float((m[key] - target[key]).abs().sum()))
+    assert (chosen.hparams["rank_ratio"], chosen.hparams["lam"]) == (0.16, pytest.approx(2.2))
+    assert len(chosen.trials) == 4 * 11
+
+
+def test_defaults_without_validation_are_the_papers():
+    base, models = _models(2, seed=7)
+    assert merge_with_defaults(get_method("task_arithmetic"), models, base).hparams["lam"] == 0.4
+    assert merge_with_defaults(get_method("ties"), models, base).hparams == {"lam": 1.0, "k": 20.0, "trim": "global"}
+    assert merge_with_defaults(get_method("cart"), models, base).hparams["rank_ratio"] == 0.08

@@ -1,0 +1,84 @@
+"""The phase plan, the learning-rate schedule and the batch schedule."""
+
+import math
+
+import pytest
+
+from mima.data.sampler import PhaseBatchSampler, TaskStream
+from mima.errors import MimaError
+from mima.training.lr_schedule import lr_factor
+from mima.training.plan import PhasePlan, check_budget
+
+
+def test_positions_walk_phases_then_tasks():
+    plan = PhasePlan(tasks=("a", "b", "c"), local_tasks=(0, 1, 2), total_steps=6, iterations=2)  # K = 3
+    walk = [(p.phase, plan.tasks[p.task_index], p.step_in_phase, p.task_step) for p in map(plan.position, range(18))]
+    assert walk[:4] == [(0, "a", 0, 0), (0, "a", 1, 1), (0, "a", 2, 2), (0, "b", 0, 0)]
+    assert walk[9] == (1, "a", 0, 3)
+    assert walk[17] == (1, "c", 2, 5)
+    assert [s for s in range(18) if plan.ends_segment(s)] == [2, 5, 8, 11, 14, 17]
+    assert [s for s in range(18) if plan.ends_phase(s)] == [8, 17]
+    with pytest.raises(IndexError):
+        plan.position(18)
+
+
+def test_budget_rejects_n_not_dividing_s():
+    assert check_budget(320, 8) == 40
+    with pytest.raises(MimaError, match="model.iterations=3 does not divide model.steps=320"):
+        check_budget(320, 3)
+    with pytest.raises(MimaError, match="at least 1"):
+        check_budget(320, 0)
+
+
+def _task_vectors_cosine_lr(base_lr: float, warmup: int, steps: int, step: int) -> float:
+    """The schedule of task_vectors' `cosine_lr`, written out again from its definition."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    e, es = step - warmup, steps - warmup
+    return 0.5 * (1 + math.cos(math.pi * e / es)) * base_lr
+
+
+@pytest.mark.parametrize("scope", ["run", "phase"])
+def test_cosine_schedule_is_keyed_on_the_task_step(scope):
+    plan = PhasePlan(tasks=("a", "b"), local_tasks=(0, 1), total_steps=40, iterations=4)  # K = 10
+    for step in range(plan.local_steps):
+        position = plan.position(step)
+        if scope == "run":
+            expected = _task_vectors_cosine_lr(1.0, 4, 40, position.task_step)
+        else:
+            expected = _task_vectors_cosine_lr(1.0, 4, 10, position.step_in_phase)
+        assert lr_factor(plan, step, "cosine", scope, warmup=4) == pytest.approx(expected)
+
+
+def test_constant_schedule_warms_up_then_stays_flat():
+    plan = PhasePlan(tasks=("a",), local_tasks=(0,), total_steps=20, iterations=2)
+    factors = [lr_factor(plan, s, "constant", "run", warmup=4) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and set(factors[4:]) == {1.0}
+
+
+def test_task_stream_epochs_are_permutations():
+    stream = TaskStream("rot90", size=10, seed=0)
+    seen = [i for step in range(5) for i in stream.batch(step, 4)]  # 20 draws = two epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]
+
+
+def test_batches_depend_only_on_seed_task_and_task_step():
+    together = PhasePlan(tasks=("a", "b"), local_tasks=(0, 1), total_steps=12, iterations=3)
+    alone = PhasePlan(tasks=("a", "b"), local_tasks=(1,), total_steps=12, iterations=3)
+    batches_together = list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=1))
+    batches_alone = list(PhaseBatchSampler(alone, [30], batch_size=8, seed=1))
+    b_in_together = [[i for _, i in batch] for batch in batches_together if batch[0][0] == 1]
+    assert b_in_together == [[i for _, i in batch] for batch in batches_alone]
+    resumed = list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=1, start_step=7))
+    assert resumed == batches_together[7:]
+    other_seed = list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=2))
+    assert other_seed != batches_together
+    assert len(batches_together) == together.local_steps == 24
+
+
+def test_sampler_batches_come_from_one_task():
+    plan = PhasePlan(tasks=("a", "b"), local_tasks=(0, 1), total_steps=4, iterations=2)
+    for step, batch in enumerate(PhaseBatchSampler(plan, [9, 9], batch_size=4, seed=0)):
+        assert {slot for slot, _ in batch} == {plan.position(step).slot}
+        assert all(0 <= i < 9 for _, i in batch)
