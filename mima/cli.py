@@ -78,7 +78,7 @@ def demo_command(argv: Sequence[str]) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
     for n in options.iterations:
-        check_budget(options.steps, n)
+        check_budget(options.steps, n, names=("--steps", "--iterations"))
     run_demo(
         options.out,
         iterations=options.iterations,

@@ -25,17 +25,12 @@ StateDict = dict[str, torch.Tensor]
 class RunFolder:
     path: Path
 
-    @property
-    def tasks(self) -> list[str]:
-        final = self.path / "final"
-        if not final.is_dir():
-            raise MimaError(f"{self.path}: no final/ folder (did the run finish?)")
-        return [json.loads(p.read_text())["task"] for p in sorted(final.glob("*.json"))]
-
     def task_order(self) -> list[str]:
-        """Tasks in run order (as the metadata lists them)."""
-        metadata = json.loads(next((self.path / "final").glob("*.json")).read_text())
-        return list(metadata["tasks"])
+        """Tasks in run order (as the metadata of the final checkpoints lists them)."""
+        metadata_files = sorted((self.path / "final").glob("*.json"))
+        if not metadata_files:
+            raise MimaError(f"{self.path}: no final/<task>.json files (is this a finished `mima fit` run folder?)")
+        return list(json.loads(metadata_files[0].read_text())["tasks"])
 
     def pretrained(self) -> StateDict:
         return load_state_dict(self.path / "pretrained.safetensors")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import lightning as L
 from torch.utils.data import DataLoader
 
@@ -74,14 +72,3 @@ class TaskSuiteDataModule(L.LightningDataModule):
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
         )
-
-    def eval_loader(self, dataset) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.hparams.eval_batch_size, num_workers=self.hparams.num_workers)
-
-    def split_sizes(self, image_size: int, names: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
-        names = list(names) if names is not None else self.task_names
-        result = {}
-        for name in names:
-            data = self.task_data(name, image_size)
-            result[name] = {"train": len(data.train), "val": len(data.val), "test": len(data.test)}
-        return result

@@ -1,6 +1,6 @@
-"""open_clip models: loading, the embedded tiny CLIP, zero-shot heads, the classifier wrapper."""
+"""open_clip models: loading, the embedded tiny CLIP, zero-shot heads, the classifier function."""
 
-from mima.models.classifier import ZeroShotClassifier
+from mima.models.classifier import classify
 from mima.models.clip import LoadedClip, load_clip
 
-__all__ = ["LoadedClip", "ZeroShotClassifier", "load_clip"]
+__all__ = ["LoadedClip", "classify", "load_clip"]

@@ -17,16 +17,19 @@ from dataclasses import dataclass
 from mima.errors import MimaError
 
 
-def check_budget(total_steps: int, iterations: int) -> int:
-    """Validate S and N; return K = S / N."""
+def check_budget(
+    total_steps: int, iterations: int, names: tuple[str, str] = ("model.steps", "model.iterations")
+) -> int:
+    """Validate S and N; return K = S / N. `names` are the options the user set them with."""
+    steps_name, iterations_name = names
     if total_steps < 1:
-        raise MimaError(f"model.steps must be a positive number of steps per task, got {total_steps}")
+        raise MimaError(f"{steps_name} must be a positive number of steps per task, got {total_steps}")
     if iterations < 1:
-        raise MimaError(f"model.iterations (N) must be at least 1, got {iterations}")
+        raise MimaError(f"{iterations_name} (N) must be at least 1, got {iterations}")
     if total_steps % iterations:
         divisors = [n for n in range(1, min(total_steps, 64) + 1) if total_steps % n == 0]
         raise MimaError(
-            f"model.iterations={iterations} does not divide model.steps={total_steps}: every phase must have "
+            f"{iterations_name}={iterations} does not divide {steps_name}={total_steps}: every phase must have "
             f"K = S/N whole steps (N that divide {total_steps}: {', '.join(map(str, divisors))}, ...)"
         )
     return total_steps // iterations
