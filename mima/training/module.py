@@ -137,9 +137,8 @@ class MimaModule(L.LightningModule):
         logits = classify(self.encoder, self.head(position.slot), images)
         loss = F.cross_entropy(logits, labels)
         task = self.plan.tasks[position.task_index]
-        self.log(f"train/loss/{task}", loss, on_step=True, on_epoch=False, prog_bar=False)
-        self.log("task", float(position.task_index), on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        self.log("phase", float(position.phase + 1), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        self.log(f"train/loss/{task}", loss, on_step=True, on_epoch=False)
+        self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         return loss
 
     def configure_optimizers(self):
@@ -156,6 +155,12 @@ class MimaModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self):
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        from mima.training.progress import MimaProgressBar
         from mima.training.sync import MimaSyncCallback
 
-        return [MimaSyncCallback()]
+        callbacks = [MimaSyncCallback()]
+        if type(self.trainer.progress_bar_callback) is TQDMProgressBar:  # the default bar, not the user's own
+            callbacks.append(MimaProgressBar())
+        return callbacks

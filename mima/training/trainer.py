@@ -73,6 +73,8 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     # "Seed set to N" would precede a one-line config error; the seed is in config.yaml anyway.
     logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    # "...configure_callbacks will override existing callbacks": the MIMA progress bar, by design.
+    logging.getLogger("lightning.pytorch.trainer.connectors.callback_connector").setLevel(logging.WARNING)
     # Lightning 2.6's own use of a torch pytree API that torch 2.14 deprecates.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     try:
