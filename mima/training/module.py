@@ -104,8 +104,6 @@ class MimaModule(L.LightningModule):
             self.register_buffer(f"head_{slot}", self._zero_shot_head(spec), persistent=False)
         self._text.value = None  # the text tower is no longer needed
         self.encoder.requires_grad_(True)
-
-    def on_fit_start(self) -> None:
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
         self.encoder.train()
 

@@ -63,6 +63,11 @@ class MimaCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+class _DropProgressBarOverrideNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "returned in `LightningModule.configure_callbacks` will override" not in record.getMessage()
+
+
 def resolve_run_dir(out: str | None) -> Path:
     return Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
@@ -74,7 +79,9 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
     # "Seed set to N" would precede a one-line config error; the seed is in config.yaml anyway.
     logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
     # "...configure_callbacks will override existing callbacks": the MIMA progress bar, by design.
-    logging.getLogger("lightning.pytorch.trainer.connectors.callback_connector").setLevel(logging.WARNING)
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropProgressBarOverrideNote) for f in rank_zero_logger.filters):
+        rank_zero_logger.addFilter(_DropProgressBarOverrideNote())
     # Lightning 2.6's own use of a torch pytree API that torch 2.14 deprecates.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     try:
