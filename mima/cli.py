@@ -42,9 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "demo":
             demo_command(rest)
         elif command == "fit":
-            from mima.training.trainer import run_fit
-
-            run_fit(rest)
+            return fit_command(rest)
         elif command == "merge":
             merge_command(rest)
         else:
@@ -59,6 +57,19 @@ def _usage() -> str:
     lines = ["usage: mima COMMAND [options]   (mima COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<6} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------- fit
+def fit_command(argv: Sequence[str]) -> int:
+    """Exit status: 0 when the run finished; 128 + the signal number when a signal stopped it after
+    saving a checkpoint (on the process that was started; the others exit 0 so that launchers do not
+    tear the job down before it has saved)."""
+    from mima.training.trainer import launch_rank, run_fit
+
+    result = run_fit(argv)
+    if result.preempted_by and launch_rank() == 0:
+        return 128 + result.preempted_by
+    return 0
 
 
 # ------------------------------------------------------------------------------- demo

@@ -43,6 +43,7 @@ def demo_config(iterations: int, steps: int = 320, lr_schedule: str = "constant"
     """The config of one demo run (configs/demo.yaml is this with iterations = 4)."""
     return {
         "seed_everything": 0,
+        "threads_per_process": 1,
         "model": {
             "clip": "embedded:tiny-digits",
             "steps": steps,
@@ -94,7 +95,7 @@ def run_demo(
         config["trainer"]["enable_progress_bar"] = progress
         config["trainer"]["enable_model_summary"] = False
         config.update(out=str(out_dir / "runs" / f"N{n}"), overwrite=True)
-        run = RunFolder(run_fit(config))
+        run = RunFolder(run_fit(config).run_dir)
         tasks = run.task_order()
         base = run.pretrained()
         models = [run.final(task) for task in tasks]

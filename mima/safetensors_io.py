@@ -34,10 +34,17 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
     tmp = Path(tmp_name)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, target)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -99,11 +99,14 @@ def gram_matrix(vectors: Sequence[TensorMap], keys: Sequence[str]) -> torch.Tens
 
 def cosine_matrix(vectors: Sequence[TensorMap], keys: Sequence[str]) -> torch.Tensor:
     """Pairwise cosine similarity of flattened vectors; a zero vector has cosine 0 with everything."""
-    gram = gram_matrix(vectors, keys)
+    return cosine_from_gram(gram_matrix(vectors, keys))
+
+
+def cosine_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """Cosines from a Gram matrix of inner products; a zero vector has cosine 0 with everything."""
     norms = gram.diagonal().clamp_min(0).sqrt()
     denom = torch.outer(norms, norms)
-    cos = torch.where(denom > 0, gram / denom.clamp_min(1e-300), torch.zeros_like(gram))
-    return cos
+    return torch.where(denom > 0, gram / denom.clamp_min(1e-300), torch.zeros_like(gram))
 
 
 def mean_off_diagonal(matrix: torch.Tensor) -> float:

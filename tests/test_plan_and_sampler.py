@@ -70,8 +70,10 @@ def test_batches_depend_only_on_seed_task_and_task_step():
     batches_alone = list(PhaseBatchSampler(alone, [30], batch_size=8, seed=1))
     b_in_together = [[i for _, i in batch] for batch in batches_together if batch[0][0] == 1]
     assert b_in_together == [[i for _, i in batch] for batch in batches_alone]
-    resumed = list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=1, start_step=7))
-    assert resumed == batches_together[7:]
+    resumed = PhaseBatchSampler(together, [50, 30], batch_size=8, seed=1, start_step=7)
+    assert list(resumed) == batches_together[7:] and len(resumed) == len(batches_together)
+    halves = [list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=1, shard=(i, 2))) for i in (0, 1)]
+    assert [a + b for a, b in zip(*halves)] == batches_together
     other_seed = list(PhaseBatchSampler(together, [50, 30], batch_size=8, seed=2))
     assert other_seed != batches_together
     assert len(batches_together) == together.local_steps == 24

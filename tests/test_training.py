@@ -123,9 +123,9 @@ def test_keep_optimizer_state_carries_each_tasks_moments_across_phases(tmp_path,
 
 
 def test_n1_equals_independent_fine_tuning(tmp_path, small_clip):
-    together = run_fit(fit_config(tmp_path / "together", small_clip, ["rot90", "mirror"], steps=6, iterations=1))
+    together = run_fit(fit_config(tmp_path / "together", small_clip, ["rot90", "mirror"], steps=6, iterations=1)).run_dir
     for task in ("rot90", "mirror"):
-        alone = run_fit(fit_config(tmp_path / task, small_clip, [task], steps=6, iterations=1))
+        alone = run_fit(fit_config(tmp_path / task, small_clip, [task], steps=6, iterations=1)).run_dir
         joint, single = load_state_dict(together / "final" / f"{task}.safetensors"), load_state_dict(alone / "final" / f"{task}.safetensors")
         pretrained = load_state_dict(alone / "pretrained.safetensors")
         assert set(joint) == set(single)
@@ -135,7 +135,7 @@ def test_n1_equals_independent_fine_tuning(tmp_path, small_clip):
 
 
 def test_run_folder_contract_and_config_round_trip(tmp_path, small_clip):
-    run = run_fit(fit_config(tmp_path / "run", small_clip, ["rot90", "rot270"], steps=4, iterations=2))
+    run = run_fit(fit_config(tmp_path / "run", small_clip, ["rot90", "rot270"], steps=4, iterations=2)).run_dir
     pretrained = load_state_dict(run / "pretrained.safetensors")
     for task in ("rot90", "rot270"):
         weights = load_state_dict(run / "final" / f"{task}.safetensors")
@@ -150,7 +150,7 @@ def test_run_folder_contract_and_config_round_trip(tmp_path, small_clip):
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["model"]["iterations"] == 2 and config["data"]["tasks"] == ["rot90", "rot270"]
 
-    again = run_fit(["--config", str(run / "config.yaml"), "--out", str(tmp_path / "again")])
+    again = run_fit(["--config", str(run / "config.yaml"), "--out", str(tmp_path / "again")]).run_dir
     for task in ("rot90", "rot270"):
         a, b = load_state_dict(run / "final" / f"{task}.safetensors"), load_state_dict(again / "final" / f"{task}.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a)

@@ -18,7 +18,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
         suite: task suite name (see `mima.data.registry.SUITES`).
         tasks: task names in run order; None takes the suite's default list.
         root: data root for suites read from disk (unused by the embedded `digits` suite).
-        batch_size: training batch size per process.
+        batch_size: training batch size per task (split evenly over a task's replicas).
         eval_batch_size: batch size for validation/test evaluation.
         num_workers: DataLoader worker processes.
         seed: data-order seed (each task's stream of permutations is keyed on it).
@@ -64,7 +64,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
             train_sizes=[len(dataset) for dataset in local],
             batch_size=self.hparams.batch_size,
             seed=self.hparams.seed,
-            start_step=self.trainer.global_step,
+            start_step=self.trainer.global_step,  # restored before this is called: resume where it stopped
+            shard=module.replica,
         )
         return DataLoader(
             MultiTaskDataset(local),

@@ -63,7 +63,12 @@ class MultiTaskDataset(Dataset):
 
 
 class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Yields, for process steps start_step .. end, the batch of (slot, example) pairs of that step."""
+    """Yields, for process steps start_step .. end, the batch of (slot, example) pairs of that step.
+
+    Its length is always the whole plan: Lightning counts a resumed epoch's batches from where the
+    checkpoint left off, so the sampler starts there instead of replaying the epoch's first batches.
+    With R replicas per task, `shard = (i, R)` keeps the i-th of R equal slices of each task batch.
+    """
 
     def __init__(
         self,
@@ -72,19 +77,25 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
         batch_size: int,
         seed: int,
         start_step: int = 0,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
+        index, count = shard
+        if batch_size % count:
+            raise ValueError(f"batch size {batch_size} does not split into {count} equal shards")
         self.plan, self.batch_size, self.start_step = plan, batch_size, start_step
+        shard_size = batch_size // count
+        self.shard_slice = slice(index * shard_size, (index + 1) * shard_size)
         self.streams = [
             TaskStream(plan.tasks[task_index], size, seed) for task_index, size in zip(plan.local_tasks, train_sizes)
         ]
 
     def __len__(self) -> int:
-        return self.plan.local_steps - self.start_step
+        return self.plan.local_steps
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.start_step, self.plan.local_steps):
             position = self.plan.position(step)
             examples = self.streams[position.slot].batch(position.task_step, self.batch_size)
-            yield [(position.slot, example) for example in examples]
+            yield [(position.slot, example) for example in examples[self.shard_slice]]

@@ -7,10 +7,12 @@ untrained parameter reaches the optimiser or DDP.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
@@ -19,6 +21,7 @@ from mima.errors import MimaError
 from mima.models.classifier import classify
 from mima.models.clip import LoadedClip, default_cache_dir, load_clip, text_tower_fingerprint
 from mima.models.heads import cached_zero_shot_head
+from mima.training.layout import TaskLayout
 from mima.training.lr_schedule import ScheduleName, ScheduleScope, lr_factor
 from mima.training.plan import PhasePlan, check_budget
 
@@ -82,7 +85,10 @@ class MimaModule(L.LightningModule):
         self.encoder = loaded.encoder
         self.image_size = loaded.image_size
         self._text = _Detached(loaded)
+        # theta_0 on the CPU: task vectors are measured from it, also after resuming mid-run.
+        self.theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in self.encoder.state_dict().items()}
         self.plan: PhasePlan | None = None
+        self.layout: TaskLayout | None = None
         self.task_names: list[str] = []
 
     # ----------------------------------------------------------------------------- setup
@@ -93,12 +99,16 @@ class MimaModule(L.LightningModule):
         if datamodule is None or not hasattr(datamodule, "task_specs"):
             raise MimaError("MimaModule needs a TaskSuiteDataModule (the `data:` section of the config)")
         self.task_names = list(datamodule.task_names)
+        # Which tasks this process trains: set by MimaStrategy; a plain single-device run owns all.
+        self.layout = getattr(self.trainer.strategy, "layout", None) or TaskLayout(len(self.task_names), 1)
+        rank = self.trainer.global_rank
         self.plan = PhasePlan(
             tasks=tuple(self.task_names),
-            local_tasks=tuple(range(len(self.task_names))),
+            local_tasks=self.layout.local_tasks(rank),
             total_steps=self.hparams.steps,
             iterations=self.hparams.iterations,
         )
+        self.replica = (self.layout.replica_index(rank), self.layout.replicas)
         for slot, task_index in enumerate(self.plan.local_tasks):
             spec = datamodule.task_specs[task_index]
             self.register_buffer(f"head_{slot}", self._zero_shot_head(spec), persistent=False)
@@ -152,6 +162,29 @@ class MimaModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    # ----------------------------------------------------------------------- checkpoints
+    def run_identity(self) -> dict:
+        """What a checkpoint must agree on to be resumed by this run."""
+        return {
+            "tasks": list(self.task_names),
+            "steps": self.hparams.steps,
+            "iterations": self.hparams.iterations,
+            "steps_per_phase": self.hparams.steps // self.hparams.iterations,
+            "world_size": self.layout.world_size,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["mima"] = {"run": self.run_identity(), "rank": self.trainer.global_rank, "rng": _capture_rng()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("mima")
+        if saved is None:
+            raise MimaError("the checkpoint was not written by `mima fit` (no 'mima' section)")
+        for key, value in self.run_identity().items():
+            if saved["run"].get(key) != value:
+                raise MimaError(f"checkpoint written by a run with {key}={saved['run'].get(key)}; this run has {key}={value}")
+        _restore_rng(saved["rng"])
+
     def configure_callbacks(self):
         from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -162,3 +195,26 @@ class MimaModule(L.LightningModule):
         if type(self.trainer.progress_bar_callback) is TQDMProgressBar:  # the default bar, not the user's own
             callbacks.append(MimaProgressBar())
         return callbacks
+
+
+def _capture_rng() -> dict:
+    """Every random state a step could touch, as tensors and plain values (loadable with weights_only)."""
+    numpy_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

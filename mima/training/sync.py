@@ -1,15 +1,16 @@
 """The MIMA synchronisation callback: ends task segments and phases.
 
-At the end of each task segment (K steps of one task) the callback adds the task's weights to
-the process's running sum and restarts the working encoder from the phase's start point `avg`
-for the next task. At the end of each phase it turns the sum into the new average
-(all-reduced across processes when torch.distributed is initialised), loads it, and logs the
-alignment diagnostics of paper 001: mean pairwise cosine of the task vectors
-tau_t = theta_t - theta_0 and of the incremental updates delta_t = theta_t - avg_previous.
-In the last phase each task's end weights are the run's final task checkpoints.
+At the end of each task segment (K steps of one task) the callback keeps the task's end weights
+(on the CPU) and restarts the working encoder from the phase's start point `avg` for the next
+task of the process. At the end of each phase all processes average their tasks' end weights
+(every floating tensor: parameters and buffers such as BatchNorm statistics; see
+mima.training.averaging), load the average, reset the optimiser moments as configured, and log the
+alignment diagnostics of paper 001: pairwise cosines of the task vectors tau_t = theta_t - theta_0
+and of the phase updates delta_t = theta_t - avg_previous, over all tasks. In the last phase each
+task's end weights are the run's final task checkpoint.
 
-Memory on the device: the working encoder, `avg` and one float32 running sum. The end weights of
-the process's own tasks are copied to CPU for the diagnostics.
+Device memory: the working encoder and `avg`; the end weights of the process's own tasks live on
+the CPU until the phase ends. Everything needed to resume mid-phase is in `state_dict()`.
 """
 
 from __future__ import annotations
@@ -19,43 +20,54 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from mima.safetensors_io import save_state_dict, write_json_atomic
-from mima.state_dicts import cosine_matrix, difference, is_mergeable, mean_off_diagonal
+from mima.safetensors_io import save_state_dict, write_json_atomic, write_text_atomic
+from mima.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
+from mima.training.averaging import average_phase, gather_task_values
 
 StateDict = dict[str, torch.Tensor]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _cpu_copy(state: StateDict) -> StateDict:
+    return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
 
 
 class MimaSyncCallback(Callback):
     """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule."""
 
     def __init__(self) -> None:
-        self.theta_0: StateDict = {}  # CPU
-        self.avg: StateDict = {}  # device, the current phase's start point
-        self.running_sum: StateDict = {}  # device, float32
-        self.segment_ends: dict[int, StateDict] = {}  # slot -> CPU end weights of the current phase
+        self.avg: StateDict = {}  # the current phase's start point (device)
+        self.segment_ends: dict[int, StateDict] = {}  # slot -> this phase's end weights (CPU)
         self.loss_sums: dict[int, float] = {}
         self.task_moments: dict[int, dict] = {}  # slot -> AdamW state, for optimizer_state="keep"
-        self.param_keys: list[str] = []
+        self._restored = False
 
     # ----------------------------------------------------------------------------- start
     def on_fit_start(self, trainer, pl_module) -> None:
         encoder_state = pl_module.encoder.state_dict()
-        trainable = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
-        self.param_keys = [key for key in encoder_state if key in trainable]
-        self.theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in encoder_state.items()}
-        self.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
-        self.running_sum = {key: torch.zeros_like(value, dtype=torch.float32) for key, value in self.avg.items()}
+        device = next(pl_module.encoder.parameters()).device
+        if self._restored:
+            self.avg = {key: value.to(device) for key, value in self.avg.items()}
+        else:
+            self.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
         if trainer.is_global_zero:
             run_dir = Path(trainer.default_root_dir)
             if not (run_dir / "pretrained.safetensors").exists():
-                save_state_dict(run_dir / "pretrained.safetensors", self.theta_0, metadata={"role": "theta_0"})
+                save_state_dict(run_dir / "pretrained.safetensors", pl_module.theta_0, metadata={"role": "theta_0"})
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Here, unlike in on_fit_start, Lightning has already restored the step counter.
+        if trainer.is_global_zero:
+            self._trim_metrics(Path(trainer.default_root_dir) / "metrics.jsonl", trainer.global_step)
+
+    @staticmethod
+    def _trim_metrics(path: Path, step: int) -> None:
+        """Keep only the phases that the state being (re)started from has already completed."""
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["global_step"] <= step]
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------------ each step
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -68,32 +80,41 @@ class MimaSyncCallback(Callback):
             return
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
-            self._end_phase(trainer, pl_module, position.phase)
+            self._end_phase(trainer, pl_module, position.phase, step + 1)
         self._load_into_encoder(pl_module, self.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=(position.slot + 1) % len(plan.local_tasks))
 
     def _end_segment(self, trainer, pl_module, position) -> None:
         plan = pl_module.plan
-        end_state = {key: value.detach() for key, value in pl_module.encoder.state_dict().items()}
-        with torch.no_grad():
-            for key, total in self.running_sum.items():
-                total += end_state[key]
-        self.segment_ends[position.slot] = {key: value.to("cpu", copy=True) for key, value in end_state.items()}
+        self.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
         if pl_module.hparams.optimizer_state == "keep":
             self.task_moments[position.slot] = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
-        if position.phase == plan.iterations - 1:
+        is_leader = pl_module.layout.is_leader(trainer.global_rank)
+        if position.phase == plan.iterations - 1 and is_leader:
             self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.segment_ends[position.slot])
 
-    def _end_phase(self, trainer, pl_module, phase: int) -> None:
-        plan = pl_module.plan
-        previous_avg = {key: value.to("cpu", copy=True) for key, value in self.avg.items()}
-        with torch.no_grad():
-            for key, total in self.running_sum.items():
-                if _distributed():
-                    dist.all_reduce(total)
-                self.avg[key] = (total / plan.num_tasks).to(self.avg[key].dtype)
-                total.zero_()
-        record = self._diagnostics(pl_module, phase, previous_avg)
+    def _end_phase(self, trainer, pl_module, phase: int, global_step: int) -> None:
+        plan, layout = pl_module.plan, pl_module.layout
+        keys = list(self.avg)
+        diagnostic_keys = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
+        local_states = [self.segment_ends[slot] for slot in range(len(plan.local_tasks))]
+        device = next(pl_module.encoder.parameters()).device
+        result = average_phase(local_states, keys, layout, pl_module.theta_0, self.avg, diagnostic_keys, device)
+        self.avg = {key: value.to(device) for key, value in result.average.items()}
+        mean_losses = {plan.local_tasks[slot]: total / plan.steps_per_phase for slot, total in self.loss_sums.items()}
+        losses = gather_task_values(mean_losses, layout)
+        cos_tau, cos_delta = cosine_from_gram(result.gram_tau), cosine_from_gram(result.gram_delta)
+        record = {
+            "phase": phase + 1,
+            "step": (phase + 1) * plan.steps_per_phase,
+            "global_step": global_step,
+            "tasks": list(plan.tasks),
+            "mean_cos_tau": mean_off_diagonal(cos_tau),
+            "mean_cos_delta": mean_off_diagonal(cos_delta),
+            "cos_tau": cos_tau.tolist(),
+            "cos_delta": cos_delta.tolist(),
+            "loss": {plan.tasks[task]: value for task, value in losses.items()},
+        }
         pl_module.log("mima/mean_cos_tau", record["mean_cos_tau"], on_step=True, on_epoch=False)
         pl_module.log("mima/mean_cos_delta", record["mean_cos_delta"], on_step=True, on_epoch=False)
         if trainer.is_global_zero:
@@ -101,27 +122,6 @@ class MimaSyncCallback(Callback):
                 stream.write(json.dumps(record) + "\n")
         self.segment_ends.clear()
         self.loss_sums.clear()
-
-    def _diagnostics(self, pl_module, phase: int, previous_avg: StateDict) -> dict:
-        plan = pl_module.plan
-        slots = sorted(self.segment_ends)
-        ends = [self.segment_ends[slot] for slot in slots]
-        taus = [difference(end, self.theta_0, self.param_keys) for end in ends]
-        deltas = [difference(end, previous_avg, self.param_keys) for end in ends]
-        cos_tau = cosine_matrix(taus, self.param_keys)
-        cos_delta = cosine_matrix(deltas, self.param_keys)
-        k = plan.steps_per_phase
-        names = [plan.tasks[plan.local_tasks[slot]] for slot in slots]
-        return {
-            "phase": phase + 1,
-            "step": (phase + 1) * k,
-            "tasks": names,
-            "mean_cos_tau": mean_off_diagonal(cos_tau),
-            "mean_cos_delta": mean_off_diagonal(cos_delta),
-            "cos_tau": cos_tau.tolist(),
-            "cos_delta": cos_delta.tolist(),
-            "loss": {name: self.loss_sums.get(slot, float("nan")) / k for name, slot in zip(names, slots)},
-        }
 
     # ------------------------------------------------------------------------- helpers
     @staticmethod
@@ -150,7 +150,24 @@ class MimaSyncCallback(Callback):
             "S": plan.total_steps,
             "seed": int(datamodule.hparams.seed),
             "tasks": list(plan.tasks),
+            "world_size": pl_module.layout.world_size,
             "config": {"model": dict(pl_module.hparams), "data": dict(datamodule.hparams)},
         }
         save_state_dict(run_dir / "final" / f"{task}.safetensors", weights, metadata={"mima": metadata})
         write_json_atomic(run_dir / "final" / f"{task}.json", metadata)
+
+    # --------------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        return {
+            "avg": _cpu_copy(self.avg),
+            "segment_ends": self.segment_ends,
+            "loss_sums": dict(self.loss_sums),
+            "task_moments": self.task_moments,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.avg = state_dict["avg"]
+        self.segment_ends = {int(slot): state for slot, state in state_dict["segment_ends"].items()}
+        self.loss_sums = {int(slot): value for slot, value in state_dict["loss_sums"].items()}
+        self.task_moments = {int(slot): state for slot, state in state_dict["task_moments"].items()}
+        self._restored = True

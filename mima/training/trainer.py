@@ -1,12 +1,18 @@
 """`mima fit`: one MIMA run from a config, with LightningCLI conventions.
 
-    mima fit --config configs/demo.yaml --out runs/demo --trainer.accelerator cpu
+    mima fit --config configs/demo.yaml --out runs/demo                        # one process
+    mima fit --config configs/demo.yaml --trainer.devices 2 --out runs/demo2   # two processes
+    mima fit --config configs/demo.yaml --out runs/demo2 --ckpt_path last      # resume
 
 The config has `model:` (MimaModule), `data:` (TaskSuiteDataModule), `trainer:` (lightning Trainer)
 and `seed_everything:` sections; any key can be overridden on the command line (`--model.iterations 8`).
 The run length is fixed by model.steps and model.iterations, so trainer.max_steps / max_epochs are
-set here. A run folder holds config.yaml, pretrained.safetensors, final/<task>.safetensors (+ .json),
-metrics.jsonl (one object per phase) and logs/ (Lightning's CSV logger).
+set here; the strategy is always MimaStrategy (task-parallel DDP, also for one process).
+
+A run folder holds config.yaml, pretrained.safetensors, final/<task>.safetensors (+ .json),
+metrics.jsonl (one object per phase), checkpoints/ and logs/ (Lightning's CSV logger).
+Every check that can fail on user input runs before any process is launched, so a mistake is
+reported once, on one line.
 """
 
 from __future__ import annotations
@@ -14,25 +20,31 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.errors import MimaError
 from mima.safetensors_io import write_text_atomic
+from mima.training.checkpointing import CHECKPOINTS, MimaCheckpoint, resolve_ckpt_path
+from mima.training.layout import TaskLayout
 from mima.training.module import MimaModule
+from mima.training.strategy import MimaStrategy
 
-RUN_OUTPUTS = ("config.yaml", "pretrained.safetensors", "metrics.jsonl", "final", "logs")
+RUN_OUTPUTS = ("config.yaml", "pretrained.safetensors", "metrics.jsonl", "final", "logs", CHECKPOINTS)
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "auto",
     "devices": 1,
-    "enable_checkpointing": False,
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 10,
     "use_distributed_sampler": False,  # the PhaseBatchSampler decides every batch
@@ -42,30 +54,87 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 class MimaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--out", type=str | None, default=None, help="run folder (default: runs/<time>)")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from")
+        parser.add_argument(
+            "--ckpt_path", type=str | None, default=None,
+            help="resume: 'last' (the run folder's latest checkpoint; a fresh start if there is none) or a checkpoint folder",
+        )
         parser.add_argument("--overwrite", type=bool, default=False, help="replace the outputs of an earlier run")
+        parser.add_argument(
+            "--checkpoint_every", type=int | None, default=None,
+            help="save a checkpoint every this many steps of a process (default: K, the end of every task segment; 0: never)",
+        )
+        parser.add_argument(
+            "--threads_per_process", type=int | None, default=None,
+            help="CPU threads of each process (default: Lightning's share of the cores). Results on the CPU "
+            "depend on it, so fix it to compare runs with different numbers of processes",
+        )
+        parser.add_argument(
+            "--collective_timeout", type=int, default=1800,
+            help="seconds a collective may wait for other processes before the run fails (a dead process cannot hang it)",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         # mima always passes the arguments explicitly (sys.argv also holds `mima fit`).
         self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any):
-        trainer_config = self.config.get("trainer", {})
+        config = self.config
+        trainer_config = config.get("trainer", {})
         for key, neutral in (("max_steps", -1), ("max_epochs", None), ("max_time", None), ("min_steps", None)):
             if trainer_config.get(key) not in (neutral, None):
                 raise MimaError(f"trainer.{key}: the run length is set by model.steps and model.iterations; leave it unset")
-        self.run_dir = resolve_run_dir(self.config.get("out"))
-        # Before the Trainer exists, so a refusal is the only thing printed.
-        prepare_run_dir(self.run_dir, resuming=self.config.get("ckpt_path") is not None, overwrite=bool(self.config.get("overwrite")))
+        if trainer_config.get("sync_batchnorm"):
+            raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
+        _set_threads(config.get("threads_per_process"))
+        self.run_dir = resolve_run_dir(config.get("out"))
+        if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
+            prepare_run_dir(self.run_dir, resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
+        num_tasks = len(self.datamodule.task_names)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
+        kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=str(self.run_dir), name="logs", version="")
+        every = config.get("checkpoint_every")
+        every = self.model.hparams.steps // self.model.hparams.iterations if every is None else every
+        if every > 0 and trainer_config.get("enable_checkpointing") is not False:
+            callbacks = list(self.config_init["trainer"].get("callbacks") or [])
+            kwargs["callbacks"] = callbacks + [MimaCheckpoint(self.run_dir / CHECKPOINTS, every_n_train_steps=every)]
+        else:
+            kwargs["enable_checkpointing"] = False
         return super().instantiate_trainer(**kwargs)
 
 
-class _DropProgressBarOverrideNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "returned in `LightningModule.configure_callbacks` will override" not in record.getMessage()
+def _strategy(configured, num_tasks: int, timeout_s: int) -> MimaStrategy:
+    if configured in (None, "auto", "ddp", "mima"):
+        strategy = MimaStrategy(num_tasks=num_tasks, timeout_s=timeout_s)
+    elif isinstance(configured, MimaStrategy):
+        strategy = configured
+        strategy.num_tasks = num_tasks
+    else:
+        raise MimaError(
+            f"trainer.strategy: {configured!r} would mix tasks; mima runs its own task-parallel DDP (leave it unset)"
+        )
+    if SLURMEnvironment.detect():
+        # Requeueing is done by mima at a step boundary, not inside Lightning's signal handler.
+        strategy.cluster_environment = SLURMEnvironment(auto_requeue=False)
+    return strategy
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise MimaError(f"--threads_per_process must be at least 1, got {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # also keeps Lightning from choosing its own
+    torch.set_num_threads(threads)
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (0 for the process a user started)."""
+    for variable in ("RANK", "SLURM_PROCID"):
+        if variable in os.environ and (variable != "SLURM_PROCID" or SLURMEnvironment.detect()):
+            return int(os.environ[variable])
+    return int(os.environ.get("NODE_RANK", 0)) + int(os.environ.get("LOCAL_RANK", 0))
 
 
 def resolve_run_dir(out: str | None) -> Path:
@@ -76,14 +145,7 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
     """Parse a `mima fit` command line (or a config dict) and instantiate module, data and trainer."""
     # Lightning 2.6 still calls jsonargparse APIs deprecated in 4.49; the warnings are not the user's concern.
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
-    # "Seed set to N" would precede a one-line config error; the seed is in config.yaml anyway.
-    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
-    # "...configure_callbacks will override existing callbacks": the MIMA progress bar, by design.
-    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropProgressBarOverrideNote) for f in rank_zero_logger.filters):
-        rank_zero_logger.addFilter(_DropProgressBarOverrideNote())
-    # Lightning 2.6's own use of a torch pytree API that torch 2.14 deprecates.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    _quiet_lightning_notes()
     try:
         return MimaCLI(
             MimaModule,
@@ -105,6 +167,28 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
         raise MimaError(f"config: {_first_line(exc)}") from None
 
 
+def _quiet_lightning_notes() -> None:
+    # "Seed set to N" would precede a one-line config error; the seed is in config.yaml anyway.
+    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropExpectedNotes) for f in rank_zero_logger.filters):
+        rank_zero_logger.addFilter(_DropExpectedNotes())
+    # Lightning 2.6's own use of a torch pytree API that torch 2.14 deprecates.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # The PhaseBatchSampler starts a resumed epoch where it stopped, which Lightning cannot know.
+    warnings.filterwarnings("ignore", message=r".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
+
+
+class _DropExpectedNotes(logging.Filter):
+    """Lightning notes that describe what mima does on purpose."""
+
+    EXPECTED = ("returned in `LightningModule.configure_callbacks` will override",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(note in record.getMessage() for note in self.EXPECTED)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -117,7 +201,7 @@ def prepare_run_dir(run_dir: Path, resuming: bool, overwrite: bool) -> None:
         if not overwrite:
             raise MimaError(
                 f"--out {run_dir}: already holds a run ({', '.join(earlier)}); "
-                "resume it with --ckpt_path, pick another --out, or pass --overwrite"
+                "resume it with --ckpt_path last, pick another --out, or pass --overwrite"
             )
         for name in earlier:
             path = run_dir / name
@@ -125,12 +209,53 @@ def prepare_run_dir(run_dir: Path, resuming: bool, overwrite: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def run_fit(args: list[str] | dict | None = None) -> Path:
-    """Run `mima fit` and return the run folder."""
+@dataclass
+class FitResult:
+    run_dir: Path
+    preempted_by: int | None = None  # the signal that stopped the run early (state saved), if any
+
+
+def run_fit(args: list[str] | dict | None = None) -> FitResult:
+    """Run `mima fit`; returns the run folder and whether a signal stopped it early."""
     cli = build_cli(args)
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
-    ckpt_path = cli.config.get("ckpt_path")
-    if cli.trainer.is_global_zero:
+    world_size = trainer.num_nodes * trainer.num_devices
+    layout = TaskLayout(len(data.task_names), world_size)
+    if data.hparams.batch_size % layout.replicas:
+        raise MimaError(
+            f"data.batch_size={data.hparams.batch_size} does not split evenly over the {layout.replicas} "
+            "processes that share each task"
+        )
+    expected = {
+        "tasks": list(data.task_names),
+        "steps": module.hparams.steps,
+        "iterations": module.hparams.iterations,
+        "steps_per_phase": module.hparams.steps // module.hparams.iterations,
+        "world_size": world_size,
+    }
+    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), run_dir, expected)
+    if trainer.is_global_zero and launch_rank() == 0:
+        if cli.config.get("ckpt_path") is not None:
+            print(f"mima fit: resuming from {ckpt_path}" if ckpt_path else "mima fit: no checkpoint yet, starting fresh")
         write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
-    return run_dir
+    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    checkpoint = trainer.checkpoint_callback
+    preempted_by = getattr(checkpoint, "preempted_by", None)
+    if preempted_by and trainer.is_global_zero:
+        print(f"mima fit: stopped by signal {preempted_by} at step {trainer.global_step}; state saved, resume with --ckpt_path last")
+        requeue_slurm_job()
+    return FitResult(run_dir, preempted_by)
+
+
+def requeue_slurm_job() -> None:
+    """Put the SLURM job back in the queue; it restarts under the same $SLURM_JOB_ID and resumes."""
+    if not SLURMEnvironment.detect():
+        return
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode:
+        print(f"mima fit: scontrol requeue {job} failed: {result.stderr.strip()}")
+    else:
+        print(f"mima fit: requeued SLURM job {job}")

@@ -1,0 +1,92 @@
+"""The averaging step of a MIMA phase, across processes.
+
+Every process holds the end weights of its own tasks. For each tensor (one key at a time, so the
+extra memory is T copies of the largest tensor, never T models) the task copies are all-gathered,
+put in task order and summed in that fixed order (in float32, or wider for wider tensors). The
+average is therefore the same bit for bit whatever the number of processes and however the tasks
+are spread over them; an all-reduce of partial sums would round differently with every layout.
+The same pass accumulates the Gram matrices of the task vectors tau_t = theta_t - theta_0 and of
+the phase updates delta_t = theta_t - avg_previous (float32 products per tensor, summed over
+tensors in float64), from which the cosine diagnostics follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mima.training.layout import TaskLayout
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class PhaseAverage:
+    average: StateDict  # on the communication device, in the tensors' own dtypes
+    gram_tau: torch.Tensor  # [T, T] float64
+    gram_delta: torch.Tensor  # [T, T] float64
+
+
+def distributed_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def gather_in_task_order(local: torch.Tensor, layout: TaskLayout) -> list[torch.Tensor]:
+    """`local` stacks this process's task copies of one tensor ([tasks per process, ...]); returns the
+    leader copy of every task, in task order."""
+    world = distributed_world()
+    if world == 1:
+        return list(local.unbind(0))
+    if world != layout.world_size:
+        raise RuntimeError(f"layout expects {layout.world_size} processes but {world} are running")
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local.contiguous())
+    ordered = [gathered[rank][slot] for rank, slot in map(layout.owner, range(layout.num_tasks))]
+    return ordered
+
+
+def average_phase(
+    local_states: Sequence[Mapping[str, torch.Tensor]],
+    keys: Sequence[str],
+    layout: TaskLayout,
+    theta_0: Mapping[str, torch.Tensor],
+    previous_average: Mapping[str, torch.Tensor],
+    diagnostic_keys: Collection[str],
+    device: torch.device,
+) -> PhaseAverage:
+    """Average the tasks' end weights (`local_states`: this process's tasks, in slot order)."""
+    num_tasks = layout.num_tasks
+    gram_tau = torch.zeros(num_tasks, num_tasks, dtype=torch.float64, device=device)
+    gram_delta = torch.zeros_like(gram_tau)
+    average: StateDict = {}
+    for key in keys:
+        local = torch.stack([state[key] for state in local_states]).to(device)
+        ordered = gather_in_task_order(local, layout)
+        wide = torch.promote_types(local.dtype, torch.float32)
+        total = ordered[0].to(wide, copy=True)
+        for copy in ordered[1:]:
+            total += copy
+        average[key] = (total / num_tasks).to(local.dtype)
+        if key in diagnostic_keys:
+            flat = torch.stack([copy.reshape(-1) for copy in ordered]).to(wide)
+            tau = flat - theta_0[key].to(device, wide).reshape(1, -1)
+            gram_tau += (tau @ tau.T).double()
+            delta = flat - previous_average[key].to(device, wide).reshape(1, -1)
+            gram_delta += (delta @ delta.T).double()
+    return PhaseAverage(average, gram_tau.cpu(), gram_delta.cpu())
+
+
+def gather_task_values(local: Mapping[int, float], layout: TaskLayout) -> dict[int, float]:
+    """Per-task scalars (e.g. mean losses) from every process; replicas of a task are averaged."""
+    if distributed_world() == 1:
+        return dict(local)
+    everyone: list[dict[int, float]] = [{} for _ in range(distributed_world())]
+    dist.all_gather_object(everyone, dict(local))
+    sums: dict[int, list[float]] = {}
+    for values in everyone:
+        for task, value in values.items():
+            sums.setdefault(task, []).append(value)
+    return {task: sum(values) / len(values) for task, values in sorted(sums.items())}

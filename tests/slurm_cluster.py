@@ -1,0 +1,147 @@
+"""A real single-node SLURM for the tests: munged, slurmctld and slurmd from Debian's slurm-wlm,
+configured in a temporary folder and stopped by PID afterwards (scripts/install-test-deps.sh
+installs the packages)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged", "munge")
+
+
+def missing_requirement() -> str | None:
+    """Why a SLURM cluster cannot be started here, or None."""
+    absent = [name for name in BINARIES if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
+    if absent:
+        return f"SLURM is not installed ({', '.join(absent)} missing; scripts/install-test-deps.sh installs it)"
+    if os.geteuid() != 0:
+        return "starting slurmd needs root"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+@dataclass
+class SlurmCluster:
+    folder: Path
+    env: dict[str, str] = field(default_factory=dict)
+    pid_files: list[Path] = field(default_factory=list)
+    started_munged: bool = False
+
+    def run(self, *command: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, check=check, **kwargs)
+
+    def job_field(self, job_id: str, name: str) -> str | None:
+        result = self.run("scontrol", "show", "job", job_id, check=False)
+        for token in result.stdout.split():
+            if token.startswith(f"{name}="):
+                return token.split("=", 1)[1]
+        return None
+
+    def stop(self) -> None:
+        for pid_file in self.pid_files:
+            if pid_file.exists():
+                pid = int(pid_file.read_text().strip())
+                _terminate(pid)
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _munge_works(env) -> bool:
+    encoded = subprocess.run(["munge", "-n"], capture_output=True, env=env)
+    if encoded.returncode:
+        return False
+    return subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True, env=env).returncode == 0
+
+
+def start_cluster(folder: Path, cpus: int | None = None) -> SlurmCluster:
+    folder.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname().split(".")[0]
+    cpus = cpus or os.cpu_count() or 1
+    conf = folder / "slurm.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=mimatest",
+                f"SlurmctldHost={host}",
+                "SlurmUser=root",
+                "AuthType=auth/munge",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "MpiDefault=none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "ReturnToService=2",
+                "MinJobAge=600",
+                f"SlurmctldPort={_free_port()}",
+                f"SlurmdPort={_free_port()}",
+                f"StateSaveLocation={folder}/state",
+                f"SlurmdSpoolDir={folder}/spool",
+                f"SlurmctldPidFile={folder}/slurmctld.pid",
+                f"SlurmdPidFile={folder}/slurmd.pid",
+                f"SlurmctldLogFile={folder}/slurmctld.log",
+                f"SlurmdLogFile={folder}/slurmd.log",
+                f"NodeName={host} CPUs={cpus} State=UNKNOWN",
+                f"PartitionName=debug Nodes={host} Default=YES State=UP MaxTime=INFINITE",
+                "",
+            ]
+        )
+    )
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir(exist_ok=True)
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    leaked = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    for variable in [v for v in env if (v.startswith("SLURM_") and v != "SLURM_CONF") or v in leaked]:
+        env.pop(variable)  # jobs must not inherit an outer job's or an earlier fit's launch settings
+    cluster = SlurmCluster(folder, env)
+
+    if not _munge_works(env):
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["chown", "munge:munge", "/run/munge"], check=False)
+        if not Path("/etc/munge/munge.key").exists():
+            subprocess.run(["mungekey", "--create"], check=True)
+        subprocess.run(["runuser", "-u", "munge", "--", _sbin("munged")], check=True)
+        cluster.started_munged = True
+        cluster.pid_files.append(Path("/run/munge/munged.pid"))
+    subprocess.run([_sbin("slurmctld"), "-f", str(conf)], env=env, check=True)
+    cluster.pid_files.insert(0, folder / "slurmctld.pid")
+    subprocess.run([_sbin("slurmd"), "-f", str(conf)], env=env, check=True)
+    cluster.pid_files.insert(0, folder / "slurmd.pid")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
+        if state == "idle":
+            return cluster
+        time.sleep(0.3)
+    cluster.stop()
+    raise RuntimeError(f"the SLURM node did not become idle; see {folder}/slurmd.log and slurmctld.log")

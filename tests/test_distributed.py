@@ -1,0 +1,199 @@
+"""Task-parallel runs with real processes (gloo): same results at any W, resume anywhere, failures.
+
+Each job runs `python -m mima fit` in its own process group; faults come from tests/helpers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mima.cli import main
+from mima.safetensors_io import load_state_dict
+from mima.training.checkpointing import CHECKPOINTS, LAST, META, read_meta
+
+REPO = Path(__file__).resolve().parents[1]
+TWO = ["rot90", "mirror"]
+FOUR = ["rot90", "rot180", "rot270", "mirror"]
+STEPS, ITERATIONS = 24, 3  # K = 8
+
+
+def write_config(path: Path, clip: str, tasks: list[str], devices: int, callbacks=(), strategy=None) -> Path:
+    config = {
+        "seed_everything": 0,
+        "threads_per_process": 1,
+        "collective_timeout": 30,
+        "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2},
+        "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": devices,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+            "callbacks": [{"class_path": f"tests.helpers.{name}", "init_args": args} for name, args in callbacks],
+        },
+    }
+    if strategy:
+        config["trainer"]["strategy"] = {"class_path": f"tests.helpers.{strategy[0]}", "init_args": strategy[1]}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def job_environment() -> dict[str, str]:
+    """This process's environment without what a launcher (or an earlier in-process fit) set."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"PYTHONUNBUFFERED": "1"}
+
+
+def run_job(config: Path, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(out), *extra]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True, env=job_environment())
+
+
+def finals(out: Path, tasks: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    return {task: load_state_dict(out / "final" / f"{task}.safetensors") for task in tasks}
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    for task in a:
+        for key in a[task]:
+            assert torch.equal(a[task][key], b[task][key]), (task, key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_clip):
+    """Uninterrupted runs, computed once per (devices, tasks)."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("reference")
+
+    def get(devices: int, tasks: list[str]):
+        key = (devices, tuple(tasks))
+        if key not in cache:
+            out = root / f"w{devices}-{len(tasks)}"
+            result = run_job(write_config(root / f"w{devices}-{len(tasks)}.yaml", small_clip, tasks, devices), out)
+            assert result.returncode == 0, result.stderr[-3000:]
+            cache[key] = finals(out, tasks)
+        return cache[key]
+
+    return get
+
+
+def test_one_two_and_four_processes_write_the_same_task_models(reference):
+    one = reference(1, FOUR)
+    assert_identical(one, reference(2, FOUR))  # two tasks per process
+    assert_identical(one, reference(4, FOUR))  # one task per process
+
+
+@pytest.mark.parametrize(
+    "devices, tasks, kill_step, where",
+    [
+        (1, TWO, 13, "mid-phase, in the second task's segment"),
+        (2, TWO, 9, "one step after a sync"),
+        (2, FOUR, 16, "at a phase end, before its sync and checkpoint ran"),
+        (4, TWO, 12, "mid-phase, two processes per task"),
+    ],
+)
+def test_sigkill_and_resume_is_bit_identical(tmp_path, small_clip, reference, devices, tasks, kill_step, where):
+    out = tmp_path / "run"
+    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, tasks, devices, [("KillAtStep", {"step": kill_step})]), out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (out / "final").exists() or len(list((out / "final").glob("*.safetensors"))) < len(tasks)
+    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, tasks, devices), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert_identical(finals(out, tasks), reference(devices, tasks))
+    phases = [json.loads(line)["phase"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert phases == [1, 2, 3]  # no phase logged twice across the crash
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, small_clip, reference):
+    out = tmp_path / "run"
+    crash = write_config(tmp_path / "crash.yaml", small_clip, TWO, 2, strategy=("CrashingStrategy", {"crash_on_save": 2}))
+    result = run_job(crash, out)
+    assert result.returncode == -signal.SIGKILL
+    checkpoints = out / CHECKPOINTS
+    assert (checkpoints / LAST).resolve().name == "step=000008.ckpt"
+    assert read_meta(checkpoints / LAST)["step"] == 8
+    partial = checkpoints / "step=000016.ckpt.partial"
+    assert partial.is_dir() and not (partial / META).exists()  # the cut-off save is visibly incomplete
+    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical(finals(out, TWO), reference(2, TWO))
+
+
+def test_preemption_signal_saves_at_the_next_step_and_resumes(tmp_path, small_clip, reference):
+    out = tmp_path / "run"
+    signalled = write_config(tmp_path / "usr1.yaml", small_clip, TWO, 2, [("SignalAtStep", {"step": 11, "rank": 1})])
+    result = run_job(signalled, out)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
+    assert "stopped by signal 10 at step 11" in result.stdout
+    assert read_meta(out / CHECKPOINTS / LAST)["step"] == 11
+    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical(finals(out, TWO), reference(2, TWO))
+
+
+@pytest.mark.parametrize("dead_rank", [1, 0])
+def test_a_dead_process_fails_the_job_without_hanging(tmp_path, small_clip, dead_rank):
+    config = write_config(tmp_path / "die.yaml", small_clip, TWO, 2, [("KillAtStep", {"step": 5, "rank": dead_rank, "group": False})])
+    started = time.monotonic()
+    command = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(tmp_path / "run")]
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                           env=job_environment())
+    job.communicate(timeout=120)
+    assert job.returncode != 0
+    deadline = time.monotonic() + 60
+    while _group_alive(job.pid) and time.monotonic() < deadline:  # the other rank must go too
+        time.sleep(0.5)
+    assert not _group_alive(job.pid), "a process of the job is still running"
+    assert time.monotonic() - started < 90  # well inside collective_timeout (30 s) plus start-up
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _one_line_error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, reference):
+    three = write_config(tmp_path / "three.yaml", small_clip, ["rot90", "rot180", "mirror"], 2)
+    line = _one_line_error(capsys, ["fit", "--config", str(three), "--out", str(tmp_path / "a")])
+    assert "2 processes" in line and "do not fit 3 tasks" in line and "1, 3, 6" in line
+
+    out = tmp_path / "run"
+    two = write_config(tmp_path / "two.yaml", small_clip, TWO, 2)
+    assert run_job(two, out).returncode == 0
+    line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
+                                    "--model.iterations", "4"])
+    assert "written by a run with iterations=3" in line and "this run has iterations=4" in line
+    line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
+                                    "--data.tasks", "[rot90, rot180]"])
+    assert "tasks=['rot90', 'mirror']" in line
+    line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
+                                    "--trainer.devices", "1"])
+    assert "world_size=2" in line and "world_size=1" in line
+    line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path",
+                                    str(tmp_path / "nope.ckpt")])
+    assert "nope.ckpt: no such checkpoint" in line
