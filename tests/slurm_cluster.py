@@ -82,10 +82,20 @@ def _munge_works(env) -> bool:
     return subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True, env=env).returncode == 0
 
 
-def start_cluster(folder: Path, cpus: int | None = None) -> SlurmCluster:
+def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> SlurmCluster:
+    """One node with `cpus` CPUs, or `nodes` nodes (one slurmd each, all on this machine) sharing them."""
     folder.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
     cpus = cpus or os.cpu_count() or 1
+    if nodes == 1:
+        node_lines = [f"NodeName={host} CPUs={cpus} State=UNKNOWN"]
+        node_names = [host]
+    else:
+        node_names = [f"n{i + 1}" for i in range(nodes)]
+        node_lines = [
+            f"NodeName={name} NodeHostname={host} Port={_free_port()} CPUs={max(1, cpus // nodes)} State=UNKNOWN"
+            for name in node_names
+        ]
     conf = folder / "slurm.conf"
     conf.write_text(
         "\n".join(
@@ -106,19 +116,20 @@ def start_cluster(folder: Path, cpus: int | None = None) -> SlurmCluster:
                 f"SlurmctldPort={_free_port()}",
                 f"SlurmdPort={_free_port()}",
                 f"StateSaveLocation={folder}/state",
-                f"SlurmdSpoolDir={folder}/spool",
+                f"SlurmdSpoolDir={folder}/spool-%n",
                 f"SlurmctldPidFile={folder}/slurmctld.pid",
-                f"SlurmdPidFile={folder}/slurmd.pid",
+                f"SlurmdPidFile={folder}/slurmd-%n.pid",
                 f"SlurmctldLogFile={folder}/slurmctld.log",
-                f"SlurmdLogFile={folder}/slurmd.log",
-                f"NodeName={host} CPUs={cpus} State=UNKNOWN",
-                f"PartitionName=debug Nodes={host} Default=YES State=UP MaxTime=INFINITE",
+                f"SlurmdLogFile={folder}/slurmd-%n.log",
+                *node_lines,
+                f"PartitionName=debug Nodes={','.join(node_names)} Default=YES State=UP MaxTime=INFINITE",
                 "",
             ]
         )
     )
-    for sub in ("state", "spool"):
-        (folder / sub).mkdir(exist_ok=True)
+    (folder / "state").mkdir(exist_ok=True)
+    for name in node_names:
+        (folder / f"spool-{name}").mkdir(exist_ok=True)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     leaked = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
     for variable in [v for v in env if (v.startswith("SLURM_") and v != "SLURM_CONF") or v in leaked]:
@@ -135,13 +146,15 @@ def start_cluster(folder: Path, cpus: int | None = None) -> SlurmCluster:
         cluster.pid_files.append(Path("/run/munge/munged.pid"))
     subprocess.run([_sbin("slurmctld"), "-f", str(conf)], env=env, check=True)
     cluster.pid_files.insert(0, folder / "slurmctld.pid")
-    subprocess.run([_sbin("slurmd"), "-f", str(conf)], env=env, check=True)
-    cluster.pid_files.insert(0, folder / "slurmd.pid")
+    for name in node_names:
+        node_flag = [] if nodes == 1 else ["-N", name]
+        subprocess.run([_sbin("slurmd"), "-f", str(conf), *node_flag], env=env, check=True)
+        cluster.pid_files.insert(0, folder / f"slurmd-{name}.pid")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        state = cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
-        if state == "idle":
+        states = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+        if len(states) == nodes and set(states) == {"idle"}:
             return cluster
         time.sleep(0.3)
     cluster.stop()
-    raise RuntimeError(f"the SLURM node did not become idle; see {folder}/slurmd.log and slurmctld.log")
+    raise RuntimeError(f"the SLURM nodes did not become idle; see the logs in {folder}")

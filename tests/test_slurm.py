@@ -23,14 +23,82 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS = ["rot90", "mirror"]
 
 
-@pytest.fixture
-def slurm(tmp_path):
+def _cluster(folder: Path, nodes: int):
     reason = missing_requirement()
     if reason:
         pytest.skip(reason)
-    cluster = start_cluster(tmp_path / "slurm", cpus=2)
+    cluster = start_cluster(folder, cpus=2, nodes=nodes)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    yield from _cluster(tmp_path / "slurm", nodes=1)
+
+
+@pytest.fixture
+def slurm_two_nodes(tmp_path):
+    yield from _cluster(tmp_path / "slurm", nodes=2)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, small_clip):
+    """The job's config and its uninterrupted run: the same two processes, outside SLURM."""
+    if missing_requirement():
+        pytest.skip(missing_requirement())
+    folder = tmp_path_factory.mktemp("slurm-job")
+    config = folder / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "model": {"clip": small_clip, "steps": 800, "iterations": 4, "lr": 1e-3, "warmup_steps": 10},
+        "data": {"suite": "digits", "tasks": TASKS, "batch_size": 32, "seed": 5},
+        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
+    }))
+    reference = folder / "reference"
+    fit = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--trainer.accelerator", "cpu",
+           "--trainer.devices", "2", "--threads_per_process", "1", "--out", str(reference)]
+    result = subprocess.run(fit, cwd=REPO, capture_output=True, text=True, timeout=600, env=job_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return config, reference
+
+
+def _submit(cluster, config: Path, work: Path, runs: Path, *options: str, exports: str = "") -> str:
+    work.mkdir(exist_ok=True)
+    activate = f"export PATH={Path(sys.executable).parent}:$PATH"
+    submitted = cluster.run(
+        "sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out", *options,
+        f"--export=ALL,MIMA_CONFIG={config},MIMA_RUNS={runs},MIMA_ENV_ACTIVATE={activate}{exports}",
+        str(REPO / "slurm" / "cpu.sbatch"), cwd=REPO,
+    )
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _drive_to_completion(cluster, job_id: str, timeout: float) -> list[str]:
+    """Wait for COMPLETED. A requeued job waits ~2 minutes in PENDING (reason BeginTime) before it may
+    start again: start it at once. Returns the (state, reason) transitions seen, for the report."""
+    history: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state, reason = cluster.job_field(job_id, "JobState"), cluster.job_field(job_id, "Reason")
+        if not history or history[-1] != f"{state}/{reason}":
+            history.append(f"{state}/{reason}")
+        if state == "COMPLETED":
+            return history
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if state == "PENDING" and reason == "BeginTime":
+            cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+        time.sleep(0.5)
+    log = (cluster.folder / "slurmctld.log").read_text()[-3000:]
+    raise AssertionError(f"job {job_id} did not complete; states {history}; slurmctld log tail:\n{log}")
+
+
+def _assert_same_final(run_dir: Path, reference: Path) -> None:
+    for task in TASKS:
+        a = load_state_dict(run_dir / "final" / f"{task}.safetensors")
+        b = load_state_dict(reference / "final" / f"{task}.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), task
 
 
 def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
@@ -43,47 +111,34 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_cpu_sbatch_job_survives_preemption(slurm, tmp_path, small_clip):
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "model": {"clip": small_clip, "steps": 800, "iterations": 4, "lr": 1e-3, "warmup_steps": 10},
-        "data": {"suite": "digits", "tasks": TASKS, "batch_size": 32, "seed": 5},
-        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
-    }))
-    # The uninterrupted run to compare with: the same two processes, outside SLURM.
-    reference = tmp_path / "reference"
-    fit = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--trainer.accelerator", "cpu",
-           "--trainer.devices", "2", "--threads_per_process", "1", "--out", str(reference)]
-    result = subprocess.run(fit, cwd=REPO, capture_output=True, text=True, timeout=600, env=job_environment())
-    assert result.returncode == 0, result.stderr[-3000:]
-
+def test_cpu_sbatch_job_survives_preemption(slurm, tmp_path, job):
+    config, reference = job
     runs, work = tmp_path / "runs", tmp_path / "work"
-    work.mkdir()
-    activate = f"export PATH={Path(sys.executable).parent}:$PATH"
-    submitted = slurm.run(
-        "sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
-        f"--export=ALL,MIMA_CONFIG={config},MIMA_RUNS={runs},MIMA_ENV_ACTIVATE={activate}",
-        str(REPO / "slurm" / "cpu.sbatch"), cwd=REPO,
-    )
-    job = submitted.stdout.strip().split(";")[0]
-    run_dir, log = runs / job, work / f"slurm-{job}.out"
+    job_id = _submit(slurm, config, work, runs)
+    run_dir, log = runs / job_id, work / f"slurm-{job_id}.out"
     started = time.monotonic()
 
-    # Preempt once the run has saved its first checkpoint and is mid-way through the second phase.
+    # Preempt once the run has saved its first checkpoint and is on its way through the next phase.
     _wait(lambda: (run_dir / "checkpoints" / "last.ckpt").exists(), 300, "the first checkpoint")
-    slurm.run("scancel", "--signal=USR1", job)
-    _wait(lambda: int(slurm.job_field(job, "Restarts") or 0) >= 1, 120, "the job to be requeued")
-    # A requeued job finishes COMPLETING, then waits ~2 minutes in PENDING (BeginTime); start it now.
-    _wait(lambda: slurm.job_field(job, "JobState") == "PENDING", 120, "the requeued job to be pending")
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    _wait(lambda: slurm.job_field(job, "JobState") == "COMPLETED", 600, "the job to complete", interval=1)
-    print(f"SLURM job {job}: submitted, preempted, requeued, resumed and completed in {time.monotonic() - started:.0f} s")
+    slurm.run("scancel", "--signal=USR1", job_id)
+    history = _drive_to_completion(slurm, job_id, timeout=600)
+    print(f"SLURM job {job_id}: submitted, preempted, requeued, resumed and completed in "
+          f"{time.monotonic() - started:.0f} s; states: {history}")
+    assert int(slurm.job_field(job_id, "Restarts")) == 1
 
     text = log.read_text()
-    assert "stopped by signal 10" in text and f"requeued SLURM job {job}" in text
+    assert "stopped by signal 10" in text and f"requeued SLURM job {job_id}" in text
     assert "restart 1" in text and "resuming from" in text
-    for task in TASKS:
-        a = load_state_dict(run_dir / "final" / f"{task}.safetensors")
-        b = load_state_dict(reference / "final" / f"{task}.safetensors")
-        assert all(torch.equal(a[k], b[k]) for k in a), task
+    _assert_same_final(run_dir, reference)
+
+
+def test_cpu_sbatch_on_two_nodes_matches_one_node(slurm_two_nodes, tmp_path, job):
+    config, reference = job
+    runs, work = tmp_path / "runs", tmp_path / "work"
+    job_id = _submit(slurm_two_nodes, config, work, runs, "--nodes=2", "--ntasks-per-node=1",
+                     exports=",MASTER_ADDR=127.0.0.1")  # the test's node names do not resolve
+    started = time.monotonic()
+    _drive_to_completion(slurm_two_nodes, job_id, timeout=600)
+    print(f"SLURM job {job_id} on 2 nodes completed in {time.monotonic() - started:.0f} s")
+    assert "2 node(s) x 1 process(es)" in (work / f"slurm-{job_id}.out").read_text()
+    _assert_same_final(runs / job_id, reference)
