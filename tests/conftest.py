@@ -40,6 +40,21 @@ def private_cache(tmp_path_factory) -> Path:
     patcher.undo()
 
 
+# The same text tower with a timm image tower that has BatchNorm (running statistics are buffers).
+BATCHNORM_CLIP_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"timm_model_name": "resnet10t", "timm_model_pretrained": False,
+                   "timm_pool": "avg", "timm_proj": "linear", "image_size": 16},
+    "text_cfg": SMALL_CLIP_CFG["text_cfg"],
+}
+
+
+@pytest.fixture(scope="session")
+def batchnorm_clip(tmp_path_factory) -> str:
+    folder = save_local_dir_clip(tmp_path_factory.mktemp("batchnorm-clip"), BATCHNORM_CLIP_CFG, seed=11)
+    return f"local-dir:{folder}"
+
+
 @pytest.fixture(scope="session")
 def small_clip(tmp_path_factory) -> str:
     """`local-dir:` name of a small random CLIP, loaded through open_clip's checkpoint path."""

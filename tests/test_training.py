@@ -65,12 +65,14 @@ def _fit_with_recorder(tmp_path, small_clip, iterations=3, steps=6, optimizer_st
 
 
 def _mean64(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k].double() for s in states]).mean(0) for k in states[0]}
+    """The mean of every floating entry (parameters and buffers such as BatchNorm statistics)."""
+    return {k: torch.stack([s[k].double() for s in states]).mean(0) for k in states[0] if states[0][k].is_floating_point()}
 
 
-def test_every_phase_starts_all_tasks_from_the_mean_of_the_previous_phase(tmp_path, small_clip):
-    recorder, module = _fit_with_recorder(tmp_path, small_clip)
-    theta_0 = load_state_dict(tmp_path / "pretrained.safetensors")
+@pytest.mark.parametrize("clip_fixture", ["small_clip", "batchnorm_clip"])
+def test_every_phase_starts_all_tasks_from_the_mean_of_the_previous_phase(tmp_path, request, clip_fixture):
+    recorder, module = _fit_with_recorder(tmp_path, request.getfixturevalue(clip_fixture))
+    theta_0 = {k: v for k, v in load_state_dict(tmp_path / "pretrained.safetensors").items() if v.is_floating_point()}
     slots = range(len(TASKS))
     for phase in range(3):
         expected = theta_0 if phase == 0 else _mean64([recorder.ends[(phase - 1, s)] for s in slots])
@@ -79,12 +81,14 @@ def test_every_phase_starts_all_tasks_from_the_mean_of_the_previous_phase(tmp_pa
             for key, value in expected.items():
                 torch.testing.assert_close(start[key].double(), value.double(), rtol=0, atol=1e-6)
             assert recorder.start_moments[(phase, slot)] == []  # fresh AdamW moments for each segment
-        # tasks really moved apart within the phase, so the check above is not vacuous
-        assert not torch.equal(recorder.ends[(phase, 0)]["proj"], recorder.ends[(phase, 1)]["proj"])
+        # tasks really moved apart within the phase (statistics too), so the check above is not vacuous
+        for key in expected:
+            assert not torch.equal(recorder.ends[(phase, 0)][key], recorder.ends[(phase, 1)][key]) or key == "counter"
     # after the last sync the working encoder holds the uniform average of the final task models
     final_mean = _mean64([recorder.ends[(2, s)] for s in slots])
-    for key, value in module.encoder.state_dict().items():
-        torch.testing.assert_close(value.double(), final_mean[key], rtol=0, atol=1e-6)
+    for key, value in final_mean.items():
+        torch.testing.assert_close(module.encoder.state_dict()[key].double(), value, rtol=0, atol=1e-6)
+    assert any("running_mean" in key for key in final_mean) == (clip_fixture == "batchnorm_clip")
 
 
 def test_logged_cosines_match_an_independent_computation(tmp_path, small_clip):

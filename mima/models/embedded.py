@@ -114,7 +114,7 @@ def pretrain_tiny_digits(recipe: dict, progress: bool = True) -> tuple[torch.nn.
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=recipe["weight_decay"])
     model.train()
-    bar = tqdm(range(recipe["steps"]), desc="pretraining embedded tiny CLIP", disable=not progress, leave=False)
+    bar = tqdm(range(recipe["steps"]), desc="pretraining embedded tiny CLIP", disable=not progress, leave=False, mininterval=1.0)
     for _ in bar:
         batch = torch.randint(len(pixels), (recipe["batch_size"],), generator=generator)
         template = torch.randint(len(digits.TEMPLATES), (recipe["batch_size"],), generator=generator)
