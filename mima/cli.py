@@ -2,7 +2,8 @@
 
     mima demo  [--out DIR] [--iterations 1 2 4 8] [--steps 320] ...   the embedded default end to end
     mima fit   --config FILE [--out DIR] [--trainer.* ...] [--model.* ...]  one MIMA run (LightningCLI)
-    mima merge --method NAME [--base BASE] --models A B ... --output OUT [--lam X] [--k P] [--rank-ratio R]
+    mima merge --method NAME [--base BASE] --models A B ... | RUN_DIR --output OUT [--select-on val] [--lam X] ...
+    mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
 
 A user's mistake (a missing file, an unknown option value, incompatible checkpoints) is reported
 as one line on stderr with exit status 2, and leaves no partial output behind.
@@ -11,7 +12,6 @@ as one line on stderr with exit status 2, and leaves no partial output behind.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +21,8 @@ from mima.errors import MimaError
 COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
     "fit": "run one MIMA configuration (LightningCLI: --config FILE, --trainer.*, --model.*, --data.*)",
-    "merge": "merge fine-tuned state dicts with a registered strategy",
+    "merge": "merge fine-tuned state dicts (or a run folder) with a registered strategy",
+    "convert": "turn a pickled module checkpoint into a safetensors state dict, without running its code",
 }
 
 
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fit_command(rest)
         elif command == "merge":
             merge_command(rest)
+        elif command == "convert":
+            convert_command(rest)
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
     except MimaError as exc:
@@ -74,7 +77,7 @@ def fit_command(argv: Sequence[str]) -> int:
 
 # ------------------------------------------------------------------------------- demo
 def demo_command(argv: Sequence[str]) -> None:
-    from mima.demo import DEMO_ITERATIONS, run_demo
+    from mima.demo import DEMO_ITERATIONS, DEMO_MERGES, run_demo
     from mima.training.plan import check_budget
 
     parser = _OneLineParser(prog="mima demo", description="MIMA on the embedded digits tasks, end to end.")
@@ -85,6 +88,7 @@ def demo_command(argv: Sequence[str]) -> None:
     parser.add_argument(
         "--no-select", action="store_true", help="use the papers' fixed merge hyperparameters instead of validation"
     )
+    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="merge methods to compare")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
@@ -98,66 +102,42 @@ def demo_command(argv: Sequence[str]) -> None:
         select_on_val=not options.no_select,
         overwrite=options.overwrite,
         progress=not options.no_progress,
+        merges=options.merges,
     )
 
 
 # ------------------------------------------------------------------------------ merge
-MERGE_FLAGS = {"lam": "--lam", "k": "--k", "rank_ratio": "--rank-ratio"}
-
-
 def merge_command(argv: Sequence[str]) -> None:
-    from mima.merging import MERGE_METHODS, get_method
-    from mima.safetensors_io import load_state_dict, save_state_dict
-    from mima.state_dicts import check_compatible
+    from mima.merging.command import add_arguments, run_merge
 
     parser = _OneLineParser(prog="mima merge", description="Merge fine-tuned image-encoder state dicts.")
-    parser.add_argument("--method", required=True, help=f"one of: {', '.join(sorted(MERGE_METHODS))}")
-    parser.add_argument("--base", type=Path, help="theta_0, the pretrained state dict (not needed by uniform, cart)")
-    parser.add_argument("--models", type=Path, nargs="+", required=True, help="fine-tuned state dicts (.safetensors)")
-    parser.add_argument("--output", type=Path, required=True, help="where to write the merged .safetensors")
-    parser.add_argument("--lam", type=float, help="scaling coefficient lambda (task_arithmetic, ties, cart)")
-    parser.add_argument("--k", type=float, help="TIES: percent of entries kept by the trim (default 20)")
-    parser.add_argument("--rank-ratio", type=float, help="CART: kept fraction of each matrix's rank (default 0.08)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    options = parser.parse_args(argv)
+    add_arguments(parser)
+    run_merge(parser.parse_args(argv))
 
-    method = get_method(options.method)
-    hparams = {name: getattr(options, name) for name in MERGE_FLAGS if getattr(options, name) is not None}
-    for name, value in hparams.items():
-        if name not in method.defaults:
-            raise MimaError(f"{MERGE_FLAGS[name]} does not apply to merge method '{method.name}'")
-        if not math.isfinite(value):
-            raise MimaError(f"{MERGE_FLAGS[name]} must be a finite number, got {value}")
-    if "k" in hparams and not 0 < hparams["k"] <= 100:
-        raise MimaError(f"--k is a percentage of entries kept, in (0, 100]; got {hparams['k']}")
-    if "rank_ratio" in hparams and not 0 <= hparams["rank_ratio"] <= 1:
-        raise MimaError(f"--rank-ratio is a fraction of the rank, in [0, 1]; got {hparams['rank_ratio']}")
-    if method.needs_base and options.base is None:
-        raise MimaError(f"merge method '{method.name}' needs the pretrained model: pass --base")
-    if options.output.exists() and not options.overwrite:
-        raise MimaError(f"--output {options.output}: already exists (pass --overwrite to replace it)")
 
-    inputs = ([options.base] if options.base is not None else []) + list(options.models)
-    loaded = {str(path): load_state_dict(path) for path in inputs}
-    if len(loaded) != len(inputs):
-        raise MimaError("the same file is given twice among --base and --models")
-    check_compatible(loaded)
-    base = loaded[str(options.base)] if options.base is not None else None
-    models = [loaded[str(path)] for path in options.models]
-    merged = method(models, base, **hparams)
-    used = {**method.defaults, **hparams}
-    save_state_dict(
-        options.output,
-        merged,
-        metadata={
-            "method": method.name,
-            "hparams": {k: v for k, v in used.items()},
-            "base": str(options.base) if options.base else None,
-            "models": [str(path) for path in options.models],
-        },
-        overwrite=options.overwrite,
+# ---------------------------------------------------------------------------- convert
+def convert_command(argv: Sequence[str]) -> None:
+    from mima.convert import convert_checkpoint
+    from mima.safetensors_io import save_state_dict
+
+    parser = _OneLineParser(
+        prog="mima convert",
+        description="Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, "
+        "without running code from the file.",
     )
-    print(f"merged {len(models)} models with {method.name} ({', '.join(f'{k}={v}' for k, v in hparams.items()) or 'defaults'}) -> {options.output}")
+    parser.add_argument("source", type=Path, help="the pickled checkpoint (.pt)")
+    parser.add_argument("output", type=Path, help="the safetensors file to write")
+    parser.add_argument("--prefix", default="model.visual.",
+                        help="keep the keys under this prefix, without it (default: model.visual., an ImageEncoder's "
+                        "image tower); '' keeps every key")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    options = parser.parse_args(argv)
+    if options.output.exists() and not options.overwrite:
+        raise MimaError(f"{options.output}: already exists (pass --overwrite to replace it)")
+    state = convert_checkpoint(options.source, options.prefix)
+    save_state_dict(options.output, state, metadata={"converted_from": str(options.source), "prefix": options.prefix},
+                    overwrite=options.overwrite)
+    print(f"mima convert: {len(state)} tensors from {options.source} -> {options.output}")
 
 
 if __name__ == "__main__":

@@ -22,21 +22,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.digits import DEFAULT_TASKS
 from mima.errors import MimaError
-from mima.evaluation.accuracy import TaskEvaluator
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.evaluation.report import ModelResult, markdown_text, write_results
-from mima.merging import MERGE_METHODS
+from mima.merging import get_method
+from mima.merging.context import build_context
 from mima.merging.selection import merge_with_defaults, select_on_validation
-from mima.models.clip import default_cache_dir, load_clip
-from mima.models.heads import cached_zero_shot_head
 from mima.run_dir import RunFolder, task_vector_cosines
 from mima.state_dicts import mean_off_diagonal
 from mima.training.trainer import run_fit
 
 DEMO_ITERATIONS = (1, 2, 4, 8)
+DEMO_MERGES = ("uniform", "task_arithmetic", "ties", "cart")  # the foundation merges; --merges picks others
 DEMO_OUTPUTS = ("results.json", "results.csv", "results.md", "selection.json")
 
 def demo_config(iterations: int, steps: int = 320, lr_schedule: str = "constant") -> dict:
@@ -67,22 +65,16 @@ def run_demo(
     select_on_val: bool = True,
     overwrite: bool = False,
     progress: bool = True,
+    merges: Sequence[str] = DEMO_MERGES,
 ) -> list[ModelResult]:
     started = time.time()
     _prepare(out_dir, overwrite)
     _quiet_lightning()
     print(f"mima demo: {len(DEFAULT_TASKS)} tasks ({', '.join(DEFAULT_TASKS)}), S={steps} steps per task, N in {list(iterations)}")
-    cache = default_cache_dir()
-    clip = load_clip("embedded:tiny-digits", cache_dir=cache)
-    data = TaskSuiteDataModule(suite="digits", tasks=list(DEFAULT_TASKS))
-    heads = {
-        spec.name: cached_zero_shot_head(clip.model, clip.tokenizer, spec.classnames, spec.templates, cache, spec.name)
-        for spec in data.task_specs
-    }
-    splits = {name: data.task_data(name, clip.image_size) for name in data.task_names}
-    test = TaskEvaluator(clip.encoder, heads, {name: s.test for name, s in splits.items()})
-    val = TaskEvaluator(clip.encoder, heads, {name: s.val for name, s in splits.items()})
-    theta_0 = {k: v.detach().clone() for k, v in clip.encoder.state_dict().items()}
+    methods = [get_method(name) for name in merges]
+    context = build_context("embedded:tiny-digits", None, "digits", list(DEFAULT_TASKS))
+    test, val = context.evaluator("test"), context.evaluator("val")
+    theta_0 = {k: v.detach().clone() for k, v in context.encoder.state_dict().items()}
     zero_shot = test.accuracy(theta_0)
     print("zero-shot test accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in zero_shot.items()))
 
@@ -105,13 +97,16 @@ def run_demo(
         fine_tuned = {task: test.accuracy(model, [task])[task] for task, model in zip(tasks, models)}
         results.append(ModelResult(n, "zero_shot", zero_shot))
         results.append(ModelResult(n, "fine_tuned", fine_tuned, mean_cos_tau=mean_off_diagonal(cos)))
-        for name, method in MERGE_METHODS.items():
-            if select_on_val:
-                chosen = select_on_validation(method, models, base, val.mean_accuracy)
+        for method in methods:
+            if method.per_task:
+                raise MimaError(f"--merges: '{method.name}' keeps one model per task; use `mima merge` for it")
+            if select_on_val and method.grid:
+                chosen = select_on_validation(method, models, base, val.mean_accuracy, context=context)
             else:
-                chosen = merge_with_defaults(method, models, base)
+                chosen = merge_with_defaults(method, models, base, context=context)
+            hparams = {k: v for k, v in chosen.hparams.items() if k != "matrix_keys"}
             results.append(
-                ModelResult(n, name, test.accuracy(chosen.merged), hparams=chosen.hparams, validation_accuracy=chosen.score)
+                ModelResult(n, method.name, test.accuracy(chosen.merged), hparams=hparams, validation_accuracy=chosen.score)
             )
         summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in results if r.N == n and r.model != "zero_shot")
         print(f"N={n}: cos(tau) {mean_off_diagonal(cos):.3f}; {summary} ({time.time() - run_started:.0f} s)")

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from mima.cli import main
+from mima.merging import MERGE_METHODS
+
+KNOWN = f"known: {', '.join(sorted(MERGE_METHODS))}"
 from mima.data import digits
 from mima.evaluation.accuracy import TaskEvaluator
 from mima.models.heads import zero_shot_head
@@ -108,18 +111,21 @@ def test_merge_rejects_missing_and_unreadable_files(checkpoints, tmp_path, capsy
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00\x01 not a tensor file")
     code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], garbage, "--output", out], capsys)
-    _assert_one_line_error(code, err, "garbage.safetensors: not a readable safetensors file")
+    _assert_one_line_error(code, err, "garbage.safetensors: not a safetensors file")
     assert not out.exists()
 
 
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--method", "average"], ["unknown merge method 'average'", "known: cart, task_arithmetic, ties, uniform"]),
+        (["--method", "average"], ["unknown merge method 'average'", KNOWN]),
         (["--method", "uniform", "--lam", "0.3"], ["--lam does not apply to merge method 'uniform'"]),
         (["--method", "task_arithmetic"], ["needs the pretrained model: pass --base"]),
-        (["--method", "ties", "--k", "0"], ["--k is a percentage"]),
-        (["--method", "cart", "--rank-ratio", "2"], ["--rank-ratio is a fraction"]),
+        (["--method", "ties", "--k", "0"], ["--k must be a percentage of entries kept, in (0, 100], got 0.0"]),
+        (["--method", "ties", "--k", "120"], ["--k must be a percentage"]),
+        (["--method", "cart", "--rank-ratio", "-0.1"], ["--rank-ratio must be a fraction of the rank, in [0, 1]"]),
+        (["--method", "dare_ties", "--drop", "1"], ["--drop must be a drop probability, in [0, 1)"]),
+        (["--method", "ties", "--density", "0.5"], ["--density does not apply to merge method 'ties'"]),
     ],
 )
 def test_merge_option_errors(checkpoints, tmp_path, capsys, argv, fragments):
@@ -181,6 +187,24 @@ def test_console_entry_point_reports_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "nope", "--models", "a", "--output",
                              str(tmp_path / "o.safetensors")], capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.strip() == "mima merge: error: unknown merge method 'nope' (known: cart, task_arithmetic, ties, uniform)"
+    assert result.stderr.strip() == f"mima merge: error: unknown merge method 'nope' ({KNOWN})"
     result = subprocess.run([sys.executable, "-m", "mima", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
+
+
+def test_merge_rejects_a_truncated_safetensors_file(checkpoints, tmp_path, capsys):
+    data = checkpoints["m2"].read_bytes()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) - 100])
+    out = tmp_path / "out.safetensors"
+    code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], truncated, "--output", out], capsys)
+    _assert_one_line_error(code, err, "truncated.safetensors: truncated")
+    assert not out.exists() and not list(tmp_path.glob(".out.safetensors*"))
+
+
+def test_every_hyperparameter_has_a_flag():
+    from mima.merging.command import FLAG_TYPES
+    from mima.merging.registry import HYPERPARAMETERS
+
+    assert set(FLAG_TYPES) == set(HYPERPARAMETERS)
+    assert all(set(method.defaults) <= set(HYPERPARAMETERS) for method in MERGE_METHODS.values())

@@ -1,22 +1,32 @@
-"""`mima demo` end to end: the MIMA effect on the embedded digits tasks (the issue's acceptance bars)."""
+"""`mima demo` end to end: the MIMA effect on the embedded digits tasks, and AdaMerging on its runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from mima.cli import main
-from mima.merging import MERGE_METHODS
+from mima.demo import DEMO_MERGES
+from mima.merging import get_method
+from mima.merging.context import context_from_config
+from mima.merging.selection import select_on_validation
+from mima.run_dir import RunFolder
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    assert main(["demo", "--out", str(out), "--no-progress"]) == 0
+    return out
 
 
 @pytest.mark.slow
-def test_demo_shows_the_mima_effect(tmp_path):
-    out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--no-progress"]) == 0
+def test_demo_shows_the_mima_effect(demo):
     for name in ("results.json", "results.csv", "results.md", "selection.json", "merged_accuracy_vs_N.png", "cosine_vs_N.png"):
-        assert (out / name).is_file(), name
-    rows = json.loads((out / "results.json").read_text())
+        assert (demo / name).is_file(), name
+    rows = json.loads((demo / "results.json").read_text())
     assert all(set(row) == {"N", "model", "task", "accuracy", "mean_cos_tau"} for row in rows)
-    assert {row["model"] for row in rows} == {"zero_shot", "fine_tuned", *MERGE_METHODS}
+    assert {row["model"] for row in rows} == {"zero_shot", "fine_tuned", *DEMO_MERGES}
     assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows)
 
     def mean(model, n):
@@ -26,4 +36,17 @@ def test_demo_shows_the_mima_effect(tmp_path):
     assert cos == sorted(cos) and cos[-1] - cos[0] > 0.3, cos  # alignment rises with N
     assert mean("uniform", 8) - mean("uniform", 1) >= 0.05  # the uniform merge gains >= 5 points
     assert abs(mean("fine_tuned", 8) - mean("fine_tuned", 1)) <= 0.03  # fine-tuned accuracy kept
-    assert all(mean("zero_shot", 1) < mean(m, 8) for m in MERGE_METHODS)
+    assert all(mean("zero_shot", 1) < mean(m, 8) for m in DEMO_MERGES)
+
+
+@pytest.mark.slow
+def test_adamerging_lowers_entropy_and_beats_task_arithmetic_on_the_demo_tasks(demo):
+    run = RunFolder(demo / "runs" / "N1")
+    context = context_from_config(run.path)
+    base, models = run.pretrained(), [run.final(task) for task in run.task_order()]
+    test = context.evaluator("test")
+    task_arithmetic = select_on_validation(get_method("task_arithmetic"), models, base, context.evaluator("val").mean_accuracy)
+    adamerged = get_method("adamerging")(models, base, context=context)
+    note = context.notes["adamerging"]
+    assert note["entropy_after"] < note["entropy_before"]
+    assert test.mean_accuracy(adamerged) >= test.mean_accuracy(task_arithmetic.merged)

@@ -4,7 +4,22 @@
     merged = get_method("ties")(models, base, lam=1.0)
 """
 
-from mima.merging import cart, task_arithmetic, ties, uniform  # noqa: F401  (registration)
+from mima.merging import (  # noqa: F401  (registration)
+    adamerging,
+    breadcrumbs,
+    cart,
+    cart_indexing,
+    consensus,
+    dare,
+    fisher,
+    fw_merging,
+    regmean,
+    tall,
+    task_arithmetic,
+    ties,
+    tsv,
+    uniform,
+)
 from mima.merging.registry import MERGE_METHODS, MergeMethod, get_method
 
 __all__ = ["MERGE_METHODS", "MergeMethod", "get_method"]

@@ -12,18 +12,19 @@ Rules, following the official code:
     Algorithm 1 writes a ceiling); rank_ratio = 0 keeps no low-rank part (theta_avg).
 Since the centered vectors sum to zero, full rank gives back theta_avg for any lam.
 Grid: rank_ratio in {4, 8, 16, 32}% x lam in 1.0 .. 3.0 on validation; 8% and lam = 1 without.
-theta_0 is not needed.
+theta_0 is not needed. The rank sweep computes one SVD per task and matrix for all ratios.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import torch
 
-from mima.merging.registry import MergeMethod, combine, register
-from mima.state_dicts import is_mergeable, mean_state_dict
+from mima.merging.registry import MergeMethod, register
+from mima.merging.uniform import mean_tensor
 
 DEFAULT_MATRIX_KEYS = r"(attn\.in_proj_weight|attn\.out_proj\.weight|mlp\.c_fc\.weight|mlp\.c_proj\.weight)$"
 
@@ -44,39 +45,55 @@ def low_rank(matrix: torch.Tensor, rank: int) -> torch.Tensor:
     return (u[:, :rank] * s[:rank]) @ vh[:rank]
 
 
-def is_cart_matrix(key: str, tensor: torch.Tensor, matrix_keys: str) -> bool:
-    return tensor.ndim == 2 and is_mergeable(tensor) and re.search(matrix_keys, key) is not None
+def is_matrix(key: str, tensor_or_shape, matrix_keys: str) -> bool:
+    shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
+    return len(shape) == 2 and re.search(matrix_keys, key) is not None
 
 
-def cart_direction(models, base=None, rank_ratio: float = 0.08, matrix_keys: str = DEFAULT_MATRIX_KEYS):
-    """(theta_avg, sum_t SVD_r(theta_t - theta_avg) on the low-rank matrices)."""
-    average = mean_state_dict(models)
-    direction = {}
-    for key, mean in average.items():
-        if not is_cart_matrix(key, mean, matrix_keys):
+def cart(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS):
+    """(key, theta_avg, sum_t SVD_r(theta_t - theta_avg) or None) per key."""
+    for key in models[0]:
+        average = mean_tensor(models, key)
+        if not (average.is_floating_point() and is_matrix(key, average, matrix_keys)):
+            yield key, average, None
             continue
-        rank = cart_rank(mean.shape, rank_ratio)
-        total = torch.zeros(mean.shape, dtype=torch.float32, device=mean.device)
+        rank = cart_rank(average.shape, rank_ratio)
+        total = torch.zeros(average.shape, dtype=torch.float32)
         for model in models:
-            total += low_rank(model[key].float() - mean.float(), rank)
-        direction[key] = total
-    return average, direction
+            total += low_rank(model[key].float() - average.float(), rank)
+        yield key, average, total
 
 
-def cart(models, base, lam: float, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS):
-    anchor, direction = cart_direction(models, base, rank_ratio=rank_ratio, matrix_keys=matrix_keys)
-    return combine(anchor, direction, lam)
+def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEFAULT_MATRIX_KEYS):
+    """(setting, theta_avg, direction) for every ratio, from one SVD per task and matrix."""
+    ratios = list(rank_ratio)
+    anchor, directions = {}, {ratio: {} for ratio in ratios}
+    for key in models[0]:
+        average = mean_tensor(models, key)
+        anchor[key] = average
+        if not (average.is_floating_point() and is_matrix(key, average, matrix_keys)):
+            continue
+        totals = {ratio: torch.zeros(average.shape, dtype=torch.float32) for ratio in ratios}
+        for model in models:
+            u, s, vh = torch.linalg.svd(model[key].float() - average.float(), full_matrices=False)
+            for ratio in ratios:
+                rank = cart_rank(average.shape, ratio)
+                totals[ratio] += (u[:, :rank] * s[:rank]) @ vh[:rank]
+        for ratio in ratios:
+            directions[ratio][key] = totals[ratio]
+    for ratio in ratios:
+        yield {"rank_ratio": ratio}, anchor, directions[ratio]
 
 
 register(
     MergeMethod(
         name="cart",
-        fn=cart,
         paper="https://arxiv.org/abs/2412.12153",
         summary="average plus lam times the rank-reduced centered task vectors",
         needs_base=False,
         defaults={"lam": 1.0, "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
         grid={"rank_ratio": (0.04, 0.08, 0.16, 0.32), "lam": tuple(round(1.0 + 0.2 * i, 1) for i in range(11))},
-        direction_fn=cart_direction,
+        scaled_fn=cart,
+        sweep_fn=cart_sweep,
     )
 )

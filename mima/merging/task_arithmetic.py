@@ -8,35 +8,34 @@ integer tensors come from theta_0.
 
 from __future__ import annotations
 
-from mima.merging.registry import MergeMethod, combine, floating_keys, register
+from mima.merging.registry import MergeMethod, register
 from mima.state_dicts import accumulator
 
 
-def task_vector_sum(models, base):
-    """(theta_0, sum_t tau_t)."""
-    direction = {}
-    for key in floating_keys(base):
-        total = accumulator(base[key])
-        for model in models:
-            total += model[key] - base[key].to(total.dtype)
-        direction[key] = total
-    return base, direction
+def task_vector_sum(models, base, key: str):
+    """sum_t (theta_t - theta_0) for one key, in float32 or wider."""
+    total = accumulator(base[key])
+    anchor = base[key].to(total.dtype)
+    for model in models:
+        total += model[key] - anchor
+    return total
 
 
-def task_arithmetic(models, base, lam: float):
-    anchor, direction = task_vector_sum(models, base)
-    return combine(anchor, direction, lam)
+def task_arithmetic(models, base):
+    """(key, theta_0, sum of task vectors) per key."""
+    for key in base:
+        anchor = base[key]
+        yield key, anchor, (task_vector_sum(models, base, key) if anchor.is_floating_point() else None)
 
 
 register(
     MergeMethod(
         name="task_arithmetic",
-        fn=task_arithmetic,
         paper="https://arxiv.org/abs/2212.04089",
         summary="pretrained model plus lam times the sum of task vectors",
         needs_base=True,
         defaults={"lam": 0.4},
         grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
-        direction_fn=task_vector_sum,
+        scaled_fn=task_arithmetic,
     )
 )

@@ -14,6 +14,9 @@ repository), which differs from the paper and from mergekit in three details:
     such non-zero entries (at least 1).
 Every floating tensor is a task-vector entry (biases and norms too); integer tensors come from
 theta_0. lam: 0.8 .. 1.8 on validation (paper 001), 1.0 without; k = 20.
+
+Streaming: three passes over the inputs, one key at a time, except that the global threshold of a
+task needs that task's magnitudes in one float32 buffer (one model's size), partitioned in place.
 """
 
 from __future__ import annotations
@@ -22,49 +25,79 @@ from typing import Literal
 
 import torch
 
-from mima.merging.registry import MergeMethod, combine, floating_keys, register
+from mima.merging.registry import MergeMethod, floating_keys, register
 
 TrimScope = Literal["global", "per-tensor"]
 
 
+def kth_index(count: int, k: float) -> int:
+    """1-based index of the threshold magnitude: n - int(n * k / 100), as the official code."""
+    return count - int(count * k / 100)
+
+
+def kth_smallest_inplace(values: torch.Tensor, kth: int) -> float:
+    """The kth smallest (1-based) of a contiguous float32 CPU tensor, reordering it in place."""
+    array = values.numpy()
+    array.partition(kth - 1)
+    return float(array[kth - 1])
+
+
 def magnitude_threshold(magnitudes: torch.Tensor, k: float) -> float:
-    """The kth smallest magnitude with kth = n - int(n * k / 100); 0 (keep everything) when that is < 1."""
-    count = magnitudes.numel()
-    kth = count - int(count * k / 100)
+    """Entries with magnitude >= this survive a top-k% trim; 0 keeps everything."""
+    kth = kth_index(magnitudes.numel(), k)
     if kth < 1:
         return 0.0
-    return float(magnitudes.reshape(-1).kthvalue(kth).values)
+    return kth_smallest_inplace(magnitudes.reshape(-1).float().contiguous().clone(), kth)
 
 
 def _task_vector(model, base, key: str) -> torch.Tensor:
     return model[key].float() - base[key].float()
 
 
-def global_threshold(model, base, keys, k: float) -> float:
-    magnitudes = torch.cat([_task_vector(model, base, key).abs().reshape(-1) for key in keys])
-    return magnitude_threshold(magnitudes, k)
+def _numel(state, key: str) -> int:
+    infos = getattr(state, "infos", None)
+    return infos[key].numel if infos is not None else state[key].numel()
 
 
-def ties_direction(models, base, k: float = 20.0, trim: TrimScope = "global"):
-    """(theta_0, the TIES-merged task vector)."""
-    if trim not in ("global", "per-tensor"):
-        raise ValueError(f"trim must be 'global' or 'per-tensor', got {trim!r}")
+def ties_vectors(models, base, k: float, trim: TrimScope, transform=None):
+    """The TIES-merged task vector, (key, tensor) for each floating key of `base`, in order.
+
+    `transform(index, key, tau)` may change each task vector before trimming (DARE drops entries);
+    it must give the same result every time it is called, since each key is read in three passes.
+    """
     keys = floating_keys(base)
-    thresholds = [global_threshold(model, base, keys, k) for model in models] if trim == "global" else None
+
+    def task_vector(index: int, model, key: str) -> torch.Tensor:
+        tau = _task_vector(model, base, key)
+        return transform(index, key, tau) if transform is not None else tau
+
+    thresholds: list[float] = []
+    if trim == "global":
+        sizes = [_numel(base, key) for key in keys]
+        kth = kth_index(sum(sizes), k)
+        for index, model in enumerate(models):
+            if kth < 1:
+                thresholds.append(0.0)
+                continue
+            magnitudes = torch.empty(sum(sizes), dtype=torch.float32)
+            offset = 0
+            for key, size in zip(keys, sizes):
+                magnitudes[offset : offset + size] = task_vector(index, model, key).abs().reshape(-1)
+                offset += size
+            thresholds.append(kth_smallest_inplace(magnitudes, kth))
+            del magnitudes
 
     def trimmed(key: str) -> torch.Tensor:
         rows = []
         for index, model in enumerate(models):
-            tau = _task_vector(model, base, key)
-            threshold = thresholds[index] if thresholds else magnitude_threshold(tau.abs(), k)
+            tau = task_vector(index, model, key)
+            threshold = thresholds[index] if trim == "global" else magnitude_threshold(tau.abs(), k)
             rows.append(tau * (tau.abs() >= threshold))
         return torch.stack(rows)
 
     # Majority sign over the whole model, for entries whose trimmed sum is exactly zero.
     elected_sign_total = sum(float(torch.sign(trimmed(key).sum(dim=0)).sum()) for key in keys)
     majority = float(torch.sign(torch.tensor(elected_sign_total)))
-
-    direction = {}
     for key in keys:
         stacked = trimmed(key)
         sign = torch.sign(stacked.sum(dim=0))
@@ -72,24 +105,34 @@ def ties_direction(models, base, k: float = 20.0, trim: TrimScope = "global"):
         agrees = torch.where(sign > 0, stacked > 0, stacked < 0)
         selected = stacked * agrees
         count = (selected != 0).sum(dim=0).clamp(min=1)
-        direction[key] = selected.sum(dim=0) / count
-    return base, direction
+        yield key, selected.sum(dim=0) / count
 
 
-def ties(models, base, lam: float, k: float, trim: TrimScope = "global"):
-    anchor, direction = ties_direction(models, base, k=k, trim=trim)
-    return combine(anchor, direction, lam)
+def with_base(base, vectors):
+    """(key, theta_0, merged task vector or None) for every key of `base`, from a generator of
+    (key, vector) over its floating keys in the same order."""
+    pending = next(vectors, None)
+    for key in base:
+        if pending is not None and pending[0] == key:
+            yield key, base[key], pending[1]
+            pending = next(vectors, None)
+        else:
+            yield key, base[key], None
+
+
+def ties(models, base, k: float, trim: TrimScope):
+    """(key, theta_0, TIES-merged task vector) per key."""
+    return with_base(base, ties_vectors(models, base, k, trim))
 
 
 register(
     MergeMethod(
         name="ties",
-        fn=ties,
         paper="https://arxiv.org/abs/2306.01708",
         summary="trim to top-k% magnitude, elect signs, disjoint mean, scaled by lam",
         needs_base=True,
         defaults={"lam": 1.0, "k": 20.0, "trim": "global"},
         grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
-        direction_fn=ties_direction,
+        scaled_fn=ties,
     )
 )

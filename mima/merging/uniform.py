@@ -7,19 +7,32 @@ around (paper 001). Every floating tensor is averaged; integer tensors come from
 from __future__ import annotations
 
 from mima.merging.registry import MergeMethod, register
-from mima.state_dicts import mean_state_dict
+from mima.state_dicts import accumulator
+
+
+def mean_tensor(models, key: str):
+    """The mean over models of one tensor, accumulated in float32 or wider, in the input dtype."""
+    first = models[0][key]
+    if not first.is_floating_point():
+        return first.clone()
+    total = accumulator(first)
+    total += first
+    for model in models[1:]:
+        total += model[key]
+    return (total / len(models)).to(first.dtype)
 
 
 def uniform(models, base=None):
-    return mean_state_dict(models)
+    for key in models[0]:
+        yield key, mean_tensor(models, key)
 
 
 register(
     MergeMethod(
         name="uniform",
-        fn=uniform,
         paper="https://arxiv.org/abs/2203.05482",
         summary="element-wise mean of the fine-tuned models",
         needs_base=False,
+        stream_fn=uniform,
     )
 )

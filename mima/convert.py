@@ -1,0 +1,167 @@
+"""`mima convert`: a pickled model checkpoint -> a safetensors state dict, without running its code.
+
+task_vectors and tall_masks save whole modules (`torch.save(image_encoder)`): loading them with
+`torch.load` imports and runs whatever the pickle names, and breaks when the classes have moved
+between versions. This converter reads the torch zip archive itself with a restricted unpickler:
+
+  * classes and functions from model namespaces (torch.nn, open_clip, task_vectors' src.modeling,
+    timm, torchvision transforms) become inert stand-ins that only record their state; nothing
+    from those packages is imported or called;
+  * tensors are rebuilt from the archive's storages with torch's own tensor-rebuilding helpers;
+  * any other global (os.system, builtins.eval, subprocess, ...) stops the conversion with an
+    error naming it, before anything is called.
+
+The module tree is then walked for parameters and persistent buffers, and the keys under
+`--prefix` (default `model.visual.`, task_vectors' ImageEncoder) are written, prefix removed, as
+an image-encoder state dict like the ones `mima fit` writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from mima.errors import MimaError
+
+STAND_IN_NAMESPACES = ("torch.nn.", "open_clip.", "src.", "modeling", "timm.", "torchvision.transforms.")
+STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+DTYPE_NAMES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+class StandIn:
+    """Takes the place of a class named in the pickle: records state, never runs anything."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.__dict__["_stand_in_args"] = args
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __call__(self, *args, **kwargs):
+        raise MimaError("a stand-in for code named in the checkpoint was asked to run; refusing")
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, *rest):
+    return data  # the parameter's tensor is all we need
+
+
+def _reconstructor(cls, base, state):
+    if isinstance(cls, type) and issubclass(cls, StandIn):
+        return cls.__new__(cls)
+    raise pickle.UnpicklingError(f"cannot reconstruct {cls!r}")
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, source: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.archive, self.prefix, self.source = archive, prefix, source
+        self.stand_ins: dict[tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str):
+        # Protocol-2 pickles (torch.save's default) use Python 2's module names.
+        module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
+        allowed = {
+            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+            ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+            ("collections", "OrderedDict"): collections.OrderedDict,
+            ("builtins", "set"): set,
+            ("builtins", "frozenset"): frozenset,
+            ("torch", "Size"): torch.Size,
+            ("torch", "device"): torch.device,
+            ("copyreg", "_reconstructor"): _reconstructor,
+        }
+        if (module, name) in allowed:
+            return allowed[(module, name)]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _StorageType(STORAGE_DTYPES[name])
+        if module == "torch" and name in DTYPE_NAMES:
+            return getattr(torch, name)
+        if module.startswith(STAND_IN_NAMESPACES) or module in ("modeling", "src"):
+            key = (module, name)
+            if key not in self.stand_ins:
+                self.stand_ins[key] = type(name, (StandIn,), {"__module__": f"mima.convert.stand_in.{module}"})
+            return self.stand_ins[key]
+        raise MimaError(
+            f"{self.source}: refused: the pickle references {module}.{name}, which is not a model class or a "
+            "tensor; nothing from the file was run"
+        )
+
+    def persistent_load(self, saved_id):
+        kind, storage_type, key, _location, numel = saved_id
+        if kind != "storage" or not isinstance(storage_type, _StorageType):
+            raise MimaError(f"{self.source}: unexpected storage record {saved_id!r}")
+        raw = self.archive.read(f"{self.prefix}data/{key}")
+        untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8) if raw else torch.UntypedStorage(0)
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=storage_type.dtype, _internal=True)
+
+
+def load_restricted(path: Path) -> object:
+    """Unpickle a torch zip checkpoint with the restricted unpickler."""
+    if not path.is_file():
+        raise MimaError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise MimaError(f"{path}: not a torch zip checkpoint (the legacy pre-1.6 format is not supported)")
+    with zipfile.ZipFile(path) as archive:
+        pickles = [name for name in archive.namelist() if name.endswith("data.pkl")]
+        if len(pickles) != 1:
+            raise MimaError(f"{path}: not a torch checkpoint (no single data.pkl in the archive)")
+        prefix = pickles[0][: -len("data.pkl")]
+        try:
+            return RestrictedUnpickler(archive.read(pickles[0]), archive, prefix, path).load()
+        except MimaError:
+            raise
+        except (pickle.UnpicklingError, EOFError, KeyError, ValueError) as exc:
+            raise MimaError(f"{path}: could not be read as a model checkpoint ({exc})") from None
+
+
+def module_state_dict(obj: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of a (stand-in) module tree, or the tensors of a dict."""
+    if isinstance(obj, dict):
+        if "state_dict" in obj and isinstance(obj["state_dict"], dict):
+            obj = obj["state_dict"]
+        if all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return {f"{prefix}{k}": v for k, v in obj.items()}
+    state: dict[str, torch.Tensor] = {}
+    attributes = getattr(obj, "__dict__", {})
+    non_persistent = attributes.get("_non_persistent_buffers_set", set()) or set()
+    for name, tensor in (attributes.get("_parameters") or {}).items():
+        if tensor is not None:
+            state[f"{prefix}{name}"] = tensor
+    for name, tensor in (attributes.get("_buffers") or {}).items():
+        if tensor is not None and name not in non_persistent:
+            state[f"{prefix}{name}"] = tensor
+    for name, child in (attributes.get("_modules") or {}).items():
+        if child is not None:
+            state.update(module_state_dict(child, f"{prefix}{name}."))
+    return state
+
+
+def convert_checkpoint(source: Path, prefix: str = "model.visual.") -> dict[str, torch.Tensor]:
+    state = module_state_dict(load_restricted(source))
+    if not state:
+        raise MimaError(f"{source}: holds no module parameters or tensor state dict")
+    if not prefix:
+        return {key: value.contiguous() for key, value in state.items()}
+    selected = {key[len(prefix):]: value.contiguous() for key, value in state.items() if key.startswith(prefix)}
+    if not selected:
+        heads = sorted({key.split(".")[0] + "." for key in state})
+        raise MimaError(f"{source}: no key starts with --prefix '{prefix}' (top-level names: {', '.join(heads)})")
+    return selected

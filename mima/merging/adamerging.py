@@ -1,0 +1,168 @@
+"""AdaMerging: merging coefficients learnt by minimising prediction entropy on unlabelled inputs.
+
+Yang et al. 2024, "AdaMerging: Adaptive Model Merging for Multi-Task Learning",
+https://arxiv.org/abs/2310.02575, as the official code (main_task_wise / main_layer_wise):
+theta = theta_0 + sum_t lam_t^l tau_t^l, one coefficient per task (`granularity="task"`) or per task
+and tensor (`"layer"`: every floating tensor of the image encoder's state dict is a layer),
+initialised at `prior` = 0.3 and clamped to [0, 1] in the forward pass. Adam (lr 1e-3) for 500
+steps; each step the loss is the sum over tasks of the mean Shannon entropy of the task head's
+predictions on two batches of 16 unlabelled inputs, drawn from each task's test split as the paper
+does (`adapt_on` can name val or train instead). Labels are never read.
+
+`adamerging_cart` applies the same to CART's centered, rank-reduced vectors (paper 000, eq. 8):
+theta = theta_avg + sum_t lam_t^l SVD_r(theta_t - theta_avg), coefficients starting at CART's
+lam = 1 and clamped to [0, 3] (the range of CART's lam grid); tensors that are not low-rank matrices
+use their full centered difference.
+
+All T task vectors are held in memory (the optimisation needs them at every step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix, low_rank
+from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.uniform import mean_tensor
+
+BATCH_SIZE, BATCHES_PER_TASK = 16, 2
+
+
+@dataclass
+class Adapted:
+    coefficients: torch.Tensor  # [layers or 1, T], after clamping
+    entropy_before: float
+    entropy_after: float
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Mean Shannon entropy of the softmax predictions."""
+    return -(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean()
+
+
+def _unlabelled(context, split: str, seed: int) -> dict[str, Iterator]:
+    def cycle(task: str):
+        epoch = 0
+        while True:
+            for images, _ in context.loader(task, split, BATCH_SIZE, shuffle=True, seed=seed + epoch):
+                yield images
+            epoch += 1
+
+    return {task: cycle(task) for task in context.tasks}
+
+
+def combine_weights(anchor, vectors, coefficients, keys) -> dict[str, torch.Tensor]:
+    """anchor + sum_t c[l, t] * vector_t for every key (row l of c, or row 0 for task-wise)."""
+    weights = dict(anchor)
+    for layer, key in enumerate(keys):
+        row = coefficients[layer if coefficients.shape[0] > 1 else 0]
+        weights[key] = anchor[key] + sum(row[t] * vectors[t][key] for t in range(len(vectors)))
+    return weights
+
+
+def total_entropy(context, anchor, vectors, coefficients, keys, batches: dict[str, list]) -> torch.Tensor:
+    weights = combine_weights(anchor, vectors, coefficients, keys)
+    return sum(entropy(context.logits(weights, task, images)) for task in context.tasks for images in batches[task])
+
+
+def adapt_coefficients(
+    context, anchor, vectors, keys, granularity: str, steps: int, lr: float, prior: float,
+    limits: tuple[float, float], adapt_on: str, seed: int = 0,
+) -> Adapted:
+    rows = len(keys) if granularity == "layer" else 1
+    raw = torch.full((rows, len(vectors)), float(prior), requires_grad=True)
+    optimizer = torch.optim.Adam([raw], lr=lr, betas=(0.9, 0.999))
+    streams = _unlabelled(context, adapt_on, seed)
+    probe = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in context.tasks}
+    with torch.no_grad():
+        before = float(total_entropy(context, anchor, vectors, raw.clamp(*limits), keys, probe))
+    for _ in range(steps):
+        batches = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in context.tasks}
+        loss = total_entropy(context, anchor, vectors, raw.clamp(*limits), keys, batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    coefficients = raw.detach().clamp(*limits)
+    with torch.no_grad():
+        after = float(total_entropy(context, anchor, vectors, coefficients, keys, probe))
+    return Adapted(coefficients, before, after)
+
+
+def _note(context, name: str, adapted: Adapted) -> None:
+    context.notes[name] = {
+        "entropy_before": adapted.entropy_before,
+        "entropy_after": adapted.entropy_after,
+        "coefficients": adapted.coefficients.tolist(),
+    }
+
+
+def _merge(anchor_state, vectors, keys, adapted: Adapted) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        weights = combine_weights({k: anchor_state[k].float() for k in keys}, vectors, adapted.coefficients, keys)
+    return {key: (weights[key].to(value.dtype) if key in weights else value.clone()) for key, value in anchor_state.items()}
+
+
+def task_vectors(models: Sequence, base, keys) -> list[dict[str, torch.Tensor]]:
+    return [{key: model[key].float() - base[key].float() for key in keys} for model in models]
+
+
+def adamerging(models, base, context, granularity: str, steps: int, lr: float, prior: float, adapt_on: str):
+    base_state = {key: base[key] for key in base}
+    keys = floating_keys(base_state)
+    vectors = task_vectors(models, base_state, keys)
+    anchor = {key: base_state[key].float() for key in keys}
+    adapted = adapt_coefficients(context, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 1.0), adapt_on)
+    _note(context, "adamerging", adapted)
+    return _merge(base_state, vectors, keys, adapted)
+
+
+def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
+    """(theta_avg, [SVD_r(theta_t - theta_avg) per task]) with full centered differences off the matrices."""
+    average = {key: mean_tensor(models, key) for key in models[0]}
+    keys = floating_keys(average)
+    vectors = []
+    for model in models:
+        vector = {}
+        for key in keys:
+            centered = model[key].float() - average[key].float()
+            if is_matrix(key, centered, matrix_keys):
+                centered = low_rank(centered, cart_rank(centered.shape, rank_ratio))
+            vector[key] = centered
+        vectors.append(vector)
+    return average, keys, vectors
+
+
+def adamerging_cart(models, base, context, granularity: str, steps: int, lr: float, prior: float, adapt_on: str,
+                    rank_ratio: float, matrix_keys: str):
+    average, keys, vectors = centered_low_rank_vectors(models, rank_ratio, matrix_keys)
+    anchor = {key: average[key].float() for key in keys}
+    adapted = adapt_coefficients(context, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 3.0), adapt_on)
+    _note(context, "adamerging_cart", adapted)
+    return _merge(average, vectors, keys, adapted)
+
+
+register(
+    MergeMethod(
+        name="adamerging",
+        paper="https://arxiv.org/abs/2310.02575",
+        summary="task- or layer-wise coefficients learnt by entropy minimisation on unlabelled inputs",
+        needs_base=True,
+        defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 0.3, "adapt_on": "test"},
+        data_fn=adamerging,
+    )
+)
+register(
+    MergeMethod(
+        name="adamerging_cart",
+        paper="https://arxiv.org/abs/2412.12153",
+        summary="AdaMerging on CART's centered rank-reduced vectors (paper 000, eq. 8)",
+        needs_base=False,
+        defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 1.0, "adapt_on": "test",
+                  "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
+        data_fn=adamerging_cart,
+    )
+)

@@ -1,0 +1,72 @@
+"""CART-Indexing: one shared average plus a small per-task part; each task gets its own model back.
+
+Choi et al. 2024, https://arxiv.org/abs/2412.12153, Appendix C.2, as the official code
+(StaticMergeModule, "CART-INDEXING"): the index keeps theta_avg and, per task, for each attention/
+MLP weight matrix the rank-r factors of theta_t - theta_avg (r = max(1, floor(rank_ratio *
+min(m, n))), 8% by default), and for every other floating tensor the full centered difference (so
+those tensors come back exactly). Task t's model is theta_avg + left_t @ right_t on the matrices and
+theta_avg + (theta_t - theta_avg) elsewhere.
+
+Index keys: `avg/<key>`, `task<i>/<key>/left` (m x r, singular values folded in),
+`task<i>/<key>/right` (r x n), `task<i>/<key>/full`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.registry import MergeMethod, register
+from mima.merging.uniform import mean_tensor
+
+
+def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> dict[str, torch.Tensor]:
+    index: dict[str, torch.Tensor] = {}
+    for key in models[0]:
+        average = mean_tensor(models, key)
+        index[f"avg/{key}"] = average
+        if not average.is_floating_point():
+            continue
+        for task, model in enumerate(models):
+            centered = model[key].float() - average.float()
+            if is_matrix(key, average, matrix_keys):
+                rank = cart_rank(average.shape, rank_ratio)
+                u, s, vh = torch.linalg.svd(centered, full_matrices=False)
+                index[f"task{task}/{key}/left"] = (u[:, :rank] * s[:rank]).contiguous()
+                index[f"task{task}/{key}/right"] = vh[:rank].contiguous()
+            else:
+                index[f"task{task}/{key}/full"] = centered
+    return index
+
+
+def cart_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
+    model = {}
+    for name in index:
+        if not name.startswith("avg/"):
+            continue
+        key = name[len("avg/") :]
+        average = index[name]
+        if f"task{task}/{key}/left" in index:
+            delta = index[f"task{task}/{key}/left"] @ index[f"task{task}/{key}/right"]
+        elif f"task{task}/{key}/full" in index:
+            delta = index[f"task{task}/{key}/full"]
+        else:
+            model[key] = average.clone()
+            continue
+        model[key] = (average.float() + delta).to(average.dtype)
+    return model
+
+
+register(
+    MergeMethod(
+        name="cart_indexing",
+        paper="https://arxiv.org/abs/2412.12153",
+        summary="shared average plus each task's rank-reduced centered vector (one model per task)",
+        needs_base=False,
+        defaults={"rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
+        index_fn=cart_index,
+        reconstruct_fn=cart_reconstruct,
+    )
+)

@@ -1,0 +1,52 @@
+"""Consensus merging with TALL masks: keep the entries of the multi-task vector that at least k
+tasks rely on.
+
+Wang et al. 2024, "Localizing Task Information for Improved Model Merging and Compression",
+https://arxiv.org/abs/2405.07813, as the official code (nik-dim/tall_masks):
+  tau_MTL = sum_t tau_t (unscaled), over every floating tensor;
+  task masks m_t = |tau_t| > mask_lam * |tau_MTL - tau_t|   (strict, as the code);
+  consensus mask = (sum_t m_t >= min_tasks)                  (non-strict: k = 1 keeps the union);
+  theta = theta_0 + lam * (tau_MTL * consensus mask).
+Integer tensors come from theta_0. Defaults: min_tasks (k) = 2, mask_lam 0.4 (the middle of the
+paper's 0.2 .. 0.6; the paper picks it per task on validation for TALL masks, see mima.merging.tall),
+lam searched on validation over 0.1 .. 1.0, 0.4 without validation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mima.merging.registry import MergeMethod, floating_keys, register
+
+
+def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tensor:
+    """m_t = |tau_t| > lam_t * |tau_MTL - tau_t|, for stacked task vectors [T, ...]; `mask_lam` is a
+    number or one value per task."""
+    lam = torch.as_tensor(mask_lam, dtype=taus.dtype).reshape(-1, *([1] * (taus.ndim - 1)))
+    return taus.abs() > lam * (total.unsqueeze(0) - taus).abs()
+
+
+def consensus(models, base, mask_lam: float, min_tasks: int):
+    keys = set(floating_keys(base))
+    for key in base:
+        anchor = base[key]
+        if key not in keys:
+            yield key, anchor, None
+            continue
+        taus = torch.stack([model[key].float() - anchor.float() for model in models])
+        total = taus.sum(dim=0)
+        votes = task_masks(taus, total, mask_lam).sum(dim=0)
+        yield key, anchor, total * (votes >= min_tasks)
+
+
+register(
+    MergeMethod(
+        name="consensus",
+        paper="https://arxiv.org/abs/2405.07813",
+        summary="task arithmetic on the entries that at least k tasks' TALL masks select",
+        needs_base=True,
+        defaults={"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
+        grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 11))},
+        scaled_fn=consensus,
+    )
+)

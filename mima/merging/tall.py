@@ -1,0 +1,77 @@
+"""TALL masks: one shared multi-task vector plus a binary mask per task; each task gets its model back.
+
+Wang et al. 2024, "Localizing Task Information for Improved Model Merging and Compression",
+https://arxiv.org/abs/2405.07813, as the official code (nik-dim/tall_masks): with
+tau_MTL = sum_t tau_t (unscaled), task t's mask is m_t = |tau_t| > lam_t * |tau_MTL - tau_t| (strict)
+over every floating tensor, and its model is theta_0 + m_t * tau_MTL. lam_t is chosen per task on that
+task's validation split from 0.2 .. 0.6 (`mask_lam` may be one value per task); 0.4 without validation.
+
+Index keys: `base/<key>` (theta_0), `sum/<key>` (tau_MTL, float32), `task<i>/<key>/mask` (the mask,
+bit-packed with numpy.packbits; the shape comes from `base/<key>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from mima.merging.consensus import task_masks
+from mima.merging.registry import MergeMethod, floating_keys, register
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(mask.reshape(-1).numpy()))
+
+
+def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    count = int(torch.Size(shape).numel())
+    return torch.from_numpy(np.unpackbits(packed.numpy(), count=count).astype(bool)).reshape(shape)
+
+
+def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
+    lams = list(mask_lam) if isinstance(mask_lam, (list, tuple)) else [mask_lam] * len(models)
+    if len(lams) != len(models):
+        raise ValueError(f"{len(lams)} mask_lam values for {len(models)} tasks")
+    keys = set(floating_keys(base))
+    index: dict[str, torch.Tensor] = {}
+    for key in base:
+        index[f"base/{key}"] = base[key]
+        if key not in keys:
+            continue
+        taus = torch.stack([model[key].float() - base[key].float() for model in models])
+        total = taus.sum(dim=0)
+        index[f"sum/{key}"] = total
+        for task, mask in enumerate(task_masks(taus, total, lams)):
+            index[f"task{task}/{key}/mask"] = pack(mask)
+    return index
+
+
+def tall_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
+    model = {}
+    for name in index:
+        if not name.startswith("base/"):
+            continue
+        key = name[len("base/") :]
+        base = index[name]
+        if f"sum/{key}" not in index:
+            model[key] = base.clone()
+            continue
+        mask = unpack(index[f"task{task}/{key}/mask"], base.shape)
+        model[key] = (base.float() + mask * index[f"sum/{key}"]).to(base.dtype)
+    return model
+
+
+register(
+    MergeMethod(
+        name="tall",
+        paper="https://arxiv.org/abs/2405.07813",
+        summary="shared sum of task vectors plus a TALL mask per task (one model per task)",
+        needs_base=True,
+        defaults={"mask_lam": 0.4},
+        grid={"mask_lam": (0.2, 0.3, 0.4, 0.5, 0.6)},
+        index_fn=tall_index,
+        reconstruct_fn=tall_reconstruct,
+    )
+)

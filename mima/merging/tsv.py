@@ -1,0 +1,70 @@
+"""TSV-Merge: task singular vectors, decorrelated across tasks.
+
+Gargiulo et al. 2025, "Task Singular Vectors: Reducing Task Interference in Model Merging",
+https://arxiv.org/abs/2412.00081, as the official code (compute_and_sum_svd_mem_reduction):
+for each 2-D tensor except `text_projection` (`matrix_keys` overrides which), every task vector
+tau_t = U_t S_t V_t^T keeps its top k = int(min(m, n) / T) singular triplets; the kept U and V
+columns of all tasks are placed side by side and each block is replaced by its polar factor
+(U -> P Q^T from the SVD P S Q^T), which makes the tasks' singular vectors orthonormal; the merged
+matrix is U_perp diag(S) V_perp^T. Other tensors take the mean of the task vectors.
+theta = theta_0 + lam * merged; lam = 1 (FusionBench's default), searched on validation over
+0.1 .. 3.0 (the official sweep). With tasks whose singular vectors are already orthogonal this is
+task arithmetic with lam = 1 on those matrices.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from mima.merging.registry import MergeMethod, register
+
+DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
+
+
+def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return u @ vh
+
+
+def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
+    """The TSV merge of T task matrices (float32)."""
+    count = len(taus)
+    decompositions = [torch.linalg.svd(tau.float(), full_matrices=False) for tau in taus]
+    full_rank = decompositions[0][1].shape[0]
+    k = int(full_rank / count)
+    u_blocks = torch.zeros_like(decompositions[0][0])
+    s_blocks = torch.zeros_like(decompositions[0][1])
+    v_blocks = torch.zeros_like(decompositions[0][2])
+    for index, (u, s, vh) in enumerate(decompositions):
+        u_blocks[:, index * k : (index + 1) * k] = u[:, :k]
+        s_blocks[index * k : (index + 1) * k] = s[:k]
+        v_blocks[index * k : (index + 1) * k, :] = vh[:k, :]
+    return polar_factor(u_blocks) @ torch.diag(s_blocks) @ polar_factor(v_blocks)
+
+
+def tsv(models, base, matrix_keys: str = DEFAULT_TSV_MATRIX_KEYS):
+    for key in base:
+        anchor = base[key]
+        if not anchor.is_floating_point():
+            yield key, anchor, None
+            continue
+        taus = [model[key].float() - anchor.float() for model in models]
+        if anchor.ndim == 2 and re.search(matrix_keys, key):
+            yield key, anchor, tsv_matrix(taus)
+        else:
+            yield key, anchor, torch.stack(taus).mean(dim=0)
+
+
+register(
+    MergeMethod(
+        name="tsv",
+        paper="https://arxiv.org/abs/2412.00081",
+        summary="per-layer task singular vectors, orthogonalised across tasks",
+        needs_base=True,
+        defaults={"lam": 1.0, "matrix_keys": DEFAULT_TSV_MATRIX_KEYS},
+        grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 31))},
+        scaled_fn=tsv,
+    )
+)

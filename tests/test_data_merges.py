@@ -1,0 +1,199 @@
+"""Data-dependent merges, validation selection and checkpoint conversion on a small real open_clip CLIP."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mima.cli import main
+from mima.convert import convert_checkpoint
+from mima.errors import MimaError
+from mima.merging import get_method
+from mima.merging.context import build_context
+from mima.merging.fisher import diagonal_fisher
+from mima.merging.fw_merging import CANDIDATE_INITIAL
+from mima.safetensors_io import load_state_dict, save_state_dict
+from tests.conftest import fit_config
+
+TASKS = ["rot90", "mirror"]
+
+
+@pytest.fixture(scope="module")
+def context(small_clip):
+    return build_context(small_clip, None, "digits", TASKS)
+
+
+@pytest.fixture(scope="module")
+def task_models(context):
+    """theta_0 and two perturbed copies standing in for fine-tuned task models."""
+    base = {k: v.detach().clone() for k, v in context.encoder.state_dict().items()}
+    models = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        models.append({k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in base.items()})
+    return base, models
+
+
+def test_adamerging_lowers_the_prediction_entropy(context, task_models):
+    base, models = task_models
+    for granularity in ("task", "layer"):
+        get_method("adamerging")(models, base, context=context, granularity=granularity, steps=25, lr=0.01)
+        note = context.notes["adamerging"]
+        assert note["entropy_after"] < note["entropy_before"], note
+        coefficients = np.array(note["coefficients"])
+        assert coefficients.shape[1] == 2 and coefficients.min() >= 0 and coefficients.max() <= 1
+
+
+def _independent_gradient(context, weights: dict, examples: int) -> dict[str, torch.Tensor]:
+    """Cross-entropy gradient with a real module holding `weights` (not functional_call)."""
+    encoder = open_clip.create_model(context_clip(context)).visual
+    encoder.load_state_dict(weights)
+    total = {n: torch.zeros_like(p) for n, p in encoder.named_parameters()}
+    for task in context.tasks:
+        encoder.zero_grad()
+        loss = 0
+        for images, labels in context.examples(task, "train", examples):
+            features = F.normalize(encoder(images), dim=-1)
+            loss = loss + F.cross_entropy(features @ context.heads[task].T, labels, reduction="sum")
+        (loss / (examples * len(context.tasks))).backward()
+        for n, p in encoder.named_parameters():
+            total[n] += p.grad
+    return total
+
+
+def context_clip(context) -> str:
+    return context.clip_name
+
+
+def test_fw_hard_first_step_goes_to_the_vertex_most_aligned_with_the_negative_gradient(context, task_models, small_clip):
+    base, models = task_models
+    context.clip_name = small_clip
+    merged = get_method("fw_merging")(models, base, context=context, iterations=1, start="pretrained", examples=8,
+                                      step_size=0.5, lam=1.0)
+    gradient = _independent_gradient(context, base, 8)
+    vertices = [*models, base]  # the initial merge is theta_0 here
+
+    def cosine(a: np.ndarray, b: np.ndarray) -> float:  # 0 against a zero vector (theta_0 has zero biases)
+        norms = np.linalg.norm(a) * np.linalg.norm(b)
+        return float(np.dot(a.ravel(), b.ravel()) / norms) if norms > 0 else 0.0
+
+    scores = [sum(cosine(g.numpy(), v[k].float().numpy()) for k, g in gradient.items()) for v in vertices]
+    pick = int(np.argmin(scores))
+    assert context.notes["fw_merging"]["steps"][0]["vertex"] == [*TASKS, CANDIDATE_INITIAL][pick]
+    gamma = 2.0 / 2 * 0.5 * 1.0  # 2 / (t + 2) * step_size * lam at t = 0
+    for key in gradient:
+        expected = base[key] + gamma * (vertices[pick][key] - base[key])
+        torch.testing.assert_close(merged[key], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_diagonal_fisher_equals_the_expectation_over_classes(context, task_models):
+    base, models = task_models
+    keys = ["proj", "ln_post.weight"]
+    fisher = diagonal_fisher(context, models[0], keys, "rot90", examples=3)
+    params = {k: models[0][k].float() for k in keys}
+    expected = {k: torch.zeros_like(v) for k, v in params.items()}
+    for images, _ in context.examples("rot90", "train", 3, batch_size=1):
+        def log_probs(p):
+            return context.logits({**models[0], **p}, "rot90", images).log_softmax(dim=1)[0]
+        jacobian = torch.func.jacrev(log_probs)(params)  # [classes, *param]
+        probs = log_probs(params).exp().detach()
+        for k in keys:
+            expected[k] += (probs.reshape(-1, *[1] * params[k].ndim) * jacobian[k].pow(2)).sum(0)
+    for k in keys:
+        torch.testing.assert_close(fisher[k], expected[k] / 3, rtol=1e-4, atol=1e-9)
+
+
+def test_regmean_merges_the_linear_layers_that_run_and_averages_the_rest(context, task_models):
+    base, models = task_models
+    merged = get_method("regmean")(models, base, context=context, examples=16)
+    layers = context.notes["regmean"]["linear_layers"]
+    assert layers and all(name.endswith(("mlp.c_fc.weight", "mlp.c_proj.weight")) for name in layers)
+    for key in ("proj", "transformer.resblocks.0.attn.in_proj_weight", "transformer.resblocks.0.mlp.c_fc.bias"):
+        torch.testing.assert_close(merged[key], (models[0][key] + models[1][key]) / 2)
+    assert not torch.allclose(merged[layers[0]], (models[0][layers[0]] + models[1][layers[0]]) / 2)
+
+
+def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_clip, capsys):
+    from mima.training.trainer import run_fit
+
+    run = run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=4, iterations=2)).run_dir
+    out = tmp_path / "cart.safetensors"
+    assert main(["merge", "--method", "cart", "--models", str(run), "--output", str(out), "--select-on", "val"]) == 0
+    report = json.loads((tmp_path / "cart.safetensors.results.json").read_text())
+    trials = report["trials"]
+    assert len(trials) == 4 * 11 and report["selected_on"] == "val"
+    best = max(trials, key=lambda t: t["score"])
+    assert report["validation_accuracy"] == best["score"]
+    assert (report["hparams"]["rank_ratio"], report["hparams"]["lam"]) == (best["rank_ratio"], best["lam"])
+    assert set(report["test_accuracy"]) == {*TASKS, "mean"}
+    assert (tmp_path / "cart.safetensors.results.md").read_text().startswith("# cart")
+    out2 = tmp_path / "tall.safetensors"
+    assert main(["merge", "--method", "tall", "--models", str(run), "--output", str(out2), "--select-on", "val"]) == 0
+    tall = json.loads((tmp_path / "tall.safetensors.results.json").read_text())
+    assert len(tall["hparams"]["mask_lam"]) == 2  # one lambda per task
+    assert main(["merge", "--method", "fisher", "--models", str(run), "--output", str(tmp_path / "f.safetensors"),
+                 "--examples", "4"]) == 0
+    capsys.readouterr()
+    code = main(["merge", "--method", "adamerging", "--models", str(tmp_path / "f.safetensors"), "--base",
+                 str(run / "pretrained.safetensors"), "--output", str(tmp_path / "a.safetensors")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "needs --config" in err and not (tmp_path / "a.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------- convert
+def _fake_task_vectors_module(monkeypatch):
+    """task_vectors' src.modeling.ImageEncoder, defined here (the converter must not import it)."""
+    modeling = types.ModuleType("src.modeling")
+
+    class ImageEncoder(nn.Module):
+        def __init__(self, clip: str) -> None:
+            super().__init__()
+            self.model, self.train_preprocess, self.val_preprocess = open_clip.create_model_and_transforms(clip)
+            delattr(self.model, "transformer")
+
+    ImageEncoder.__module__, ImageEncoder.__qualname__ = "src.modeling", "ImageEncoder"
+    modeling.ImageEncoder = ImageEncoder
+    monkeypatch.setitem(sys.modules, "src", types.ModuleType("src"))
+    monkeypatch.setitem(sys.modules, "src.modeling", modeling)
+    return ImageEncoder
+
+
+def test_convert_a_pickled_image_encoder(tmp_path, small_clip, monkeypatch, capsys):
+    encoder = _fake_task_vectors_module(monkeypatch)(small_clip)
+    torch.save(encoder, tmp_path / "finetuned.pt")
+    monkeypatch.delitem(sys.modules, "src.modeling")  # as on a machine without task_vectors installed
+    assert main(["convert", str(tmp_path / "finetuned.pt"), str(tmp_path / "out.safetensors")]) == 0
+    converted = load_state_dict(tmp_path / "out.safetensors")
+    reference = encoder.model.visual.state_dict()
+    assert set(converted) == set(reference) and all(torch.equal(converted[k], reference[k]) for k in reference)
+    whole = convert_checkpoint(tmp_path / "finetuned.pt", prefix="")
+    assert "model.logit_scale" in whole and "model.visual.proj" in whole
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_convert_refuses_other_callables_without_running_them(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "extra": _Payload(str(marker))}, tmp_path / "evil.pt")
+    code = main(["convert", str(tmp_path / "evil.pt"), str(tmp_path / "out.safetensors")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "refused" in err[0] and "system" in err[0]
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+    with pytest.raises(MimaError, match="not a torch zip checkpoint"):
+        (tmp_path / "plain.pt").write_bytes(b"not a zip")
+        convert_checkpoint(tmp_path / "plain.pt")
