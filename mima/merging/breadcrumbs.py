@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.registry import MergeMethod, register
+from mima.merging.task_arithmetic import summed_task_vectors
 
 
 def breadcrumb_mask(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -31,17 +32,7 @@ def breadcrumb_mask(tau: torch.Tensor, density: float, gamma: float) -> torch.Te
 
 
 def breadcrumbs(models, base, density: float, gamma: float):
-    keys = set(floating_keys(base))
-    for key in base:
-        anchor = base[key]
-        if key not in keys:
-            yield key, anchor, None
-            continue
-        total = torch.zeros(anchor.shape, dtype=torch.promote_types(anchor.dtype, torch.float32))
-        for model in models:
-            tau = model[key].float() - anchor.float()
-            total += tau * breadcrumb_mask(tau, density, gamma)
-        yield key, anchor, total
+    return summed_task_vectors(models, base, lambda index, key, tau: tau * breadcrumb_mask(tau, density, gamma))
 
 
 register(

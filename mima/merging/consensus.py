@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.registry import MergeMethod, register
+from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tensor:
@@ -27,16 +28,13 @@ def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tenso
 
 
 def consensus(models, base, mask_lam: float, min_tasks: int):
-    keys = set(floating_keys(base))
-    for key in base:
-        anchor = base[key]
-        if key not in keys:
+    for key, anchor, taus in task_vectors_by_key(models, base):
+        if taus is None:
             yield key, anchor, None
             continue
-        taus = torch.stack([model[key].float() - anchor.float() for model in models])
-        total = taus.sum(dim=0)
-        votes = task_masks(taus, total, mask_lam).sum(dim=0)
-        yield key, anchor, total * (votes >= min_tasks)
+        stacked = torch.stack(taus)
+        total = stacked.sum(dim=0)
+        yield key, anchor, total * (task_masks(stacked, total, mask_lam).sum(dim=0) >= min_tasks)
 
 
 register(

@@ -16,7 +16,8 @@ import hashlib
 
 import torch
 
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.registry import MergeMethod, register
+from mima.merging.task_arithmetic import summed_task_vectors
 from mima.merging.ties import ties_vectors, with_base
 
 
@@ -35,16 +36,7 @@ def dare(tau: torch.Tensor, drop: float, seed: int, task: int, key: str) -> torc
 
 
 def dare_task_arithmetic(models, base, drop: float, seed: int):
-    keys = set(floating_keys(base))
-    for key in base:
-        anchor = base[key]
-        if key not in keys:
-            yield key, anchor, None
-            continue
-        total = torch.zeros(anchor.shape, dtype=torch.promote_types(anchor.dtype, torch.float32))
-        for index, model in enumerate(models):
-            total += dare(model[key].float() - anchor.float(), drop, seed, index, key)
-        yield key, anchor, total
+    return summed_task_vectors(models, base, lambda index, key, tau: dare(tau, drop, seed, index, key))
 
 
 def dare_ties(models, base, drop: float, seed: int, k: float, trim: str):

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from mima.merging.consensus import task_masks
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.registry import MergeMethod, register
+from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def pack(mask: torch.Tensor) -> torch.Tensor:
@@ -34,13 +35,12 @@ def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
     lams = list(mask_lam) if isinstance(mask_lam, (list, tuple)) else [mask_lam] * len(models)
     if len(lams) != len(models):
         raise ValueError(f"{len(lams)} mask_lam values for {len(models)} tasks")
-    keys = set(floating_keys(base))
     index: dict[str, torch.Tensor] = {}
-    for key in base:
-        index[f"base/{key}"] = base[key]
-        if key not in keys:
+    for key, anchor, vectors in task_vectors_by_key(models, base):
+        index[f"base/{key}"] = anchor
+        if vectors is None:
             continue
-        taus = torch.stack([model[key].float() - base[key].float() for model in models])
+        taus = torch.stack(vectors)
         total = taus.sum(dim=0)
         index[f"sum/{key}"] = total
         for task, mask in enumerate(task_masks(taus, total, lams)):

@@ -19,6 +19,7 @@ import re
 import torch
 
 from mima.merging.registry import MergeMethod, register
+from mima.merging.task_arithmetic import task_vectors_by_key
 
 DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
 
@@ -45,13 +46,10 @@ def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
 
 
 def tsv(models, base, matrix_keys: str = DEFAULT_TSV_MATRIX_KEYS):
-    for key in base:
-        anchor = base[key]
-        if not anchor.is_floating_point():
+    for key, anchor, taus in task_vectors_by_key(models, base):
+        if taus is None:
             yield key, anchor, None
-            continue
-        taus = [model[key].float() - anchor.float() for model in models]
-        if anchor.ndim == 2 and re.search(matrix_keys, key):
+        elif anchor.ndim == 2 and re.search(matrix_keys, key):
             yield key, anchor, tsv_matrix(taus)
         else:
             yield key, anchor, torch.stack(taus).mean(dim=0)
