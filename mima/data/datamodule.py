@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning as L
 from torch.utils.data import DataLoader
 
@@ -23,6 +25,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         seed: data-order seed (each task's stream of permutations is keyed on it).
         split_seed: seed of the train/validation split.
+        download: let torchvision download datasets missing under `root` (where it can; never
+            needed for the bundled suites).
     """
 
     def __init__(
@@ -35,6 +39,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         split_seed: int = 0,
+        download: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -47,18 +52,25 @@ class TaskSuiteDataModule(L.LightningDataModule):
     def task_names(self) -> list[str]:
         return [spec.name for spec in self.task_specs]
 
-    def task_data(self, name: str, image_size: int) -> TaskData:
-        """The splits of task `name`, loaded once."""
+    def task_data(self, name: str, image_size: int, preprocess: Callable | None = None) -> TaskData:
+        """The splits of task `name`, loaded once. `preprocess` is the model's image transform (for
+        datasets of PIL images); tensor datasets are sized by `image_size`."""
         if name not in self._loaded:
             spec = next(spec for spec in self.task_specs if spec.name == name)
-            options = LoadOptions(root=self.hparams.root, image_size=image_size, split_seed=self.hparams.split_seed)
+            options = LoadOptions(
+                root=self.hparams.root,
+                image_size=image_size,
+                split_seed=self.hparams.split_seed,
+                preprocess=preprocess,
+                download=self.hparams.download,
+            )
             self._loaded[name] = spec.load(options)
         return self._loaded[name]
 
     def train_dataloader(self) -> DataLoader:
         module = self.trainer.lightning_module
         plan = module.plan
-        local = [self.task_data(plan.tasks[i], module.image_size).train for i in plan.local_tasks]
+        local = [self.task_data(plan.tasks[i], module.image_size, module.preprocess).train for i in plan.local_tasks]
         sampler = PhaseBatchSampler(
             plan,
             train_sizes=[len(dataset) for dataset in local],

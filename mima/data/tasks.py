@@ -19,11 +19,15 @@ class TaskData:
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """What a loader may need: a data root (real datasets), the model's input size, the split seed."""
+    """What a loader may need: a data root (datasets on disk), the model's input size and its image
+    transform (PIL image -> normalised tensor, open_clip's evaluation preprocessing), the split seed,
+    and whether torchvision may download a missing dataset."""
 
     root: str | None = None
     image_size: int = 224
     split_seed: int = 0
+    preprocess: Callable | None = None
+    download: bool = False
 
 
 @dataclass(frozen=True)

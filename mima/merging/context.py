@@ -84,7 +84,7 @@ def build_context(
         )
         for spec in data.task_specs
     }
-    splits = {name: data.task_data(name, loaded.image_size) for name in data.task_names}
+    splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     loaded.encoder.eval()
     return TaskContext(loaded.encoder, list(data.task_names), heads, splits, seed=seed)
 

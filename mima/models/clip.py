@@ -3,6 +3,7 @@
 Accepted sources (`name` / `pretrained`):
   ViT-B-32 / openai                an open_clip architecture and tag (downloads; not possible offline)
   ViT-B-32 / /path/weights.pt      an architecture and a local checkpoint file
+  ViT-B-32 / none                  an architecture with random weights (offline smoke tests)
   local-dir:/path/folder           a folder with open_clip_config.json and weights (the HF-hub layout)
   embedded:tiny-digits             mima's own tiny CLIP, pretrained on first use and cached
 and `load_clip_from_config(config)` for a model config dict (small test models).
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import open_clip
+from open_clip.transform import PreprocessCfg, image_transform_v2
 import torch
 from torch import nn
 
@@ -23,6 +26,7 @@ from mima.errors import MimaError
 
 EMBEDDED_PREFIX = "embedded:"
 LOCAL_DIR_PREFIX = "local-dir:"
+RANDOM_WEIGHTS = ("none", "random")
 
 
 @dataclass
@@ -38,6 +42,12 @@ class LoadedClip:
         return self.model.visual
 
     @property
+    def preprocess(self) -> Callable:
+        """open_clip's evaluation transform (PIL image -> normalised tensor), also used for training as
+        task_vectors does: no augmentation."""
+        return image_transform_v2(PreprocessCfg(**self.model.visual.preprocess_cfg), is_train=False)
+
+    @property
     def image_size(self) -> int:
         size = getattr(self.model.visual, "image_size", 224)
         return int(size[0] if isinstance(size, (tuple, list)) else size)
@@ -51,8 +61,8 @@ def default_cache_dir() -> Path:
 def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | None = None) -> LoadedClip:
     """Load an open_clip CLIP (see the module docstring for accepted sources)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)):
-        pretrained = None  # these sources carry their own weights
+    if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or (pretrained or "").lower() in RANDOM_WEIGHTS:
+        pretrained = None  # these sources carry their own weights; "none" asks for random ones
     if name.startswith(EMBEDDED_PREFIX):
         from mima.models.embedded import ensure_embedded_model
 

@@ -84,6 +84,7 @@ class MimaModule(L.LightningModule):
         loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
         self.encoder = loaded.encoder
         self.image_size = loaded.image_size
+        self.preprocess = loaded.preprocess
         self._text = _Detached(loaded)
         # theta_0 on the CPU: task vectors are measured from it, also after resuming mid-run.
         self.theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in self.encoder.state_dict().items()}
