@@ -3,7 +3,9 @@
     mima demo  [--out DIR] [--iterations 1 2 4 8] [--steps 320] ...   the embedded default end to end
     mima fit   --config FILE [--out DIR] [--trainer.* ...] [--model.* ...]  one MIMA run (LightningCLI)
     mima merge --method NAME [--base BASE] --models A B ... | RUN_DIR --output OUT [--select-on val] [--lam X] ...
+    mima evaluate RUN_DIR [RUN_DIR ...] --out DIR [--merges uniform ties ...]   the Table-1 results of finished runs
     mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
+    mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
 
 A user's mistake (a missing file, an unknown option value, incompatible checkpoints) is reported
 as one line on stderr with exit status 2, and leaves no partial output behind.
@@ -22,7 +24,12 @@ COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
     "fit": "run one MIMA configuration (LightningCLI: --config FILE, --trainer.*, --model.*, --data.*)",
     "merge": "merge fine-tuned state dicts (or a run folder) with a registered strategy",
+    "evaluate": "merge and evaluate finished runs (one per N): the Table-1 results table and plots",
     "convert": "turn a pickled module checkpoint into a safetensors state dict, without running its code",
+    "data": "data tools: `mima data check --root DIR` shows which benchmark tasks are ready and what is missing",
+}
+DATA_COMMANDS = {
+    "check": "list, per task, the files and folders expected under --root and which are missing (exit 1 if any)",
 }
 
 
@@ -48,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             merge_command(rest)
         elif command == "convert":
             convert_command(rest)
+        elif command == "evaluate":
+            evaluate_command(rest)
+        elif command == "data":
+            return data_command(rest)
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
     except MimaError as exc:
@@ -58,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _usage() -> str:
     lines = ["usage: mima COMMAND [options]   (mima COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, text in COMMANDS.items()]
+    lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -115,6 +126,26 @@ def merge_command(argv: Sequence[str]) -> None:
     run_merge(parser.parse_args(argv))
 
 
+# --------------------------------------------------------------------------- evaluate
+def evaluate_command(argv: Sequence[str]) -> None:
+    from mima.demo import DEMO_MERGES
+    from mima.sweep import evaluate_runs
+
+    parser = _OneLineParser(
+        prog="mima evaluate",
+        description="Evaluate finished `mima fit` runs of the same tasks (typically one per N): theta_0, each task "
+        "model, and each merge with hyperparameters chosen on the validation splits; writes results.json/.csv/.md, "
+        "selection.json and plots.",
+    )
+    parser.add_argument("runs", type=Path, nargs="+", help="run folders (each with config.yaml, pretrained and final/)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results table and plots")
+    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="data-free merge strategies to compare")
+    parser.add_argument("--no-select", action="store_true", help="the papers' fixed hyperparameters, no validation search")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    options = parser.parse_args(argv)
+    evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite)
+
+
 # ---------------------------------------------------------------------------- convert
 def convert_command(argv: Sequence[str]) -> None:
     from mima.convert import convert_checkpoint
@@ -138,6 +169,33 @@ def convert_command(argv: Sequence[str]) -> None:
     save_state_dict(options.output, state, metadata={"converted_from": str(options.source), "prefix": options.prefix},
                     overwrite=options.overwrite)
     print(f"mima convert: {len(state)} tensors from {options.source} -> {options.output}")
+
+
+# ------------------------------------------------------------------------------- data
+def data_command(argv: Sequence[str]) -> int:
+    """Exit status of `mima data check`: 0 when every checked task is found, 1 otherwise."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mima data SUBCOMMAND [options]\n\nsubcommands:")
+        print("\n".join(f"  {name:<6} {text}" for name, text in DATA_COMMANDS.items()))
+        return 0
+    if argv[0] != "check":
+        raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
+    from mima.data.check import run_check, select_tasks
+    from mima.data.clip_tasks import BENCHMARKS
+
+    parser = _OneLineParser(
+        prog="mima data check",
+        description="Check the files of the clip suite's benchmark tasks under a data root (names on disk only, "
+        "nothing is opened). Exit status 0 when every checked task is found, 1 otherwise.",
+    )
+    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tasks", nargs="+", metavar="TASK", help="tasks to check (default: all tasks of the clip suite)")
+    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help="check the 8-, 14- or 20-task benchmark")
+    parser.add_argument("--download", action="store_true",
+                        help="first let torchvision download the checked tasks it can (needs internet)")
+    options = parser.parse_args(argv[1:])
+    return run_check(options.root, select_tasks(options.tasks, options.benchmark), download=options.download)
 
 
 if __name__ == "__main__":

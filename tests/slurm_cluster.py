@@ -1,5 +1,5 @@
 """A real single-node SLURM for the tests: munged, slurmctld and slurmd from Debian's slurm-wlm,
-configured in a temporary folder and stopped by PID afterwards (scripts/install-test-deps.sh
+configured in a temporary folder and stopped by PID afterwards (tests/setup_assets.sh
 installs the packages)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def missing_requirement() -> str | None:
     """Why a SLURM cluster cannot be started here, or None."""
     absent = [name for name in BINARIES if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
     if absent:
-        return f"SLURM is not installed ({', '.join(absent)} missing; scripts/install-test-deps.sh installs it)"
+        return f"SLURM is not installed ({', '.join(absent)} missing; `bash tests/setup_assets.sh` installs it as root)"
     if os.geteuid() != 0:
         return "starting slurmd needs root"
     return None

@@ -1,4 +1,5 @@
-"""The project's own sbatch script on a real SLURM: preempted mid-run, requeued, resumed, identical.
+"""The project's own sbatch scripts on a real SLURM: cpu.sbatch preempted mid-run, requeued, resumed,
+identical; sweep_n.sbatch as a job array whose elements each fit one N and evaluate it.
 
 Starts munged, slurmctld and slurmd (Debian's slurm-wlm) for the test and stops them afterwards.
 Skipped, with the reason, only where SLURM is not installed or cannot be started (not root).
@@ -6,6 +7,7 @@ Skipped, with the reason, only where SLURM is not installed or cannot be started
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -63,13 +65,14 @@ def job(tmp_path_factory, small_clip):
     return config, reference
 
 
-def _submit(cluster, config: Path, work: Path, runs: Path, *options: str, exports: str = "") -> str:
+def _submit(cluster, config: Path, work: Path, runs: Path, *options: str, exports: str = "",
+            script: str = "cpu.sbatch", args: tuple[str, ...] = ()) -> str:
     work.mkdir(exist_ok=True)
     activate = f"export PATH={Path(sys.executable).parent}:$PATH"
     submitted = cluster.run(
         "sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out", *options,
         f"--export=ALL,MIMA_CONFIG={config},MIMA_RUNS={runs},MIMA_ENV_ACTIVATE={activate}{exports}",
-        str(REPO / "slurm" / "cpu.sbatch"), cwd=REPO,
+        str(REPO / "slurm" / script), *args, cwd=REPO,
     )
     return submitted.stdout.strip().split(";")[0]
 
@@ -142,3 +145,44 @@ def test_cpu_sbatch_on_two_nodes_matches_one_node(slurm_two_nodes, tmp_path, job
     print(f"SLURM job {job_id} on 2 nodes completed in {time.monotonic() - started:.0f} s")
     assert "2 node(s) x 1 process(es)" in (work / f"slurm-{job_id}.out").read_text()
     _assert_same_final(runs / job_id, reference)
+
+
+SWEEP_MODELS = ("zero_shot", "fine_tuned", "uniform", "task_arithmetic", "ties", "cart")
+
+
+def test_sweep_array_fits_and_evaluates_each_n(slurm, tmp_path, small_clip):
+    """slurm/sweep_n.sbatch as a user submits it, with the GPU site settings overridden for this CPU
+    cluster: elements 0 and 3 (N = 1 and N = 8) each fit in runs/<array id>_N<n>/ and then write
+    their own results table."""
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "model": {"clip": small_clip, "steps": 40, "iterations": 1, "lr": 1e-3, "warmup_steps": 4},
+        "data": {"suite": "digits", "tasks": TASKS, "batch_size": 16, "seed": 5},
+        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
+    }))
+    runs, work = tmp_path / "runs", tmp_path / "work"
+    # --gres=none drops the script's GPU request (this cluster has no GRES); the partition and CPU
+    # counts replace its GPU-node settings. One process per element lets both elements run at once.
+    array_id = _submit(
+        slurm, config, work, runs, "--array=0,3", "--partition=debug", "--gres=none", "--ntasks-per-node=1",
+        "--cpus-per-task=1", f"--output={work}/slurm-%A_%a.out",
+        exports=",MIMA_ACCELERATOR=cpu", script="sweep_n.sbatch", args=("--threads_per_process", "1"),
+    )
+    started = time.monotonic()
+    for index in (0, 3):
+        _drive_to_completion(slurm, f"{array_id}_{index}", timeout=300)
+    print(f"SLURM array {array_id} (N = 1 and N = 8): fitted and evaluated in {time.monotonic() - started:.0f} s")
+
+    for index, n in ((0, 1), (3, 8)):
+        run_dir = runs / f"{array_id}_N{n}"
+        log = (work / f"slurm-{array_id}_{index}.out").read_text()
+        assert f"N={n} finished" in log, log[-3000:]
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["iterations"] == n
+        assert all((run_dir / "final" / f"{task}.safetensors").is_file() for task in TASKS)
+        rows = json.loads((run_dir / "evaluation" / "results.json").read_text())
+        assert {row["N"] for row in rows} == {n}
+        assert {(row["model"], row["task"]) for row in rows} == {
+            (model, task) for model in SWEEP_MODELS for task in (*TASKS, "mean")
+        }
+        assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows)

@@ -51,9 +51,9 @@ def _moments(trainer) -> list[torch.Tensor]:
     return [state[p]["exp_avg"].clone() for p in trainer.optimizers[0].param_groups[0]["params"] if p in state]
 
 
-def _fit_with_recorder(tmp_path, small_clip, iterations=3, steps=6, optimizer_state="reset"):
+def _fit_with_recorder(tmp_path, small_clip, iterations=3, steps=6, optimizer_state="reset", batchnorm="frozen"):
     module = MimaModule(clip=small_clip, steps=steps, iterations=iterations, lr=1e-3, warmup_steps=2,
-                        optimizer_state=optimizer_state)
+                        optimizer_state=optimizer_state, batchnorm=batchnorm)
     data = TaskSuiteDataModule(suite="digits", tasks=TASKS, batch_size=16, seed=3)
     recorder = Recorder()
     trainer = L.Trainer(
@@ -71,7 +71,8 @@ def _mean64(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("clip_fixture", ["small_clip", "batchnorm_clip"])
 def test_every_phase_starts_all_tasks_from_the_mean_of_the_previous_phase(tmp_path, request, clip_fixture):
-    recorder, module = _fit_with_recorder(tmp_path, request.getfixturevalue(clip_fixture))
+    # train-mode BatchNorm, so that running statistics move per task and their averaging is tested
+    recorder, module = _fit_with_recorder(tmp_path, request.getfixturevalue(clip_fixture), batchnorm="train")
     theta_0 = {k: v for k, v in load_state_dict(tmp_path / "pretrained.safetensors").items() if v.is_floating_point()}
     slots = range(len(TASKS))
     for phase in range(3):
@@ -89,6 +90,22 @@ def test_every_phase_starts_all_tasks_from_the_mean_of_the_previous_phase(tmp_pa
     for key, value in final_mean.items():
         torch.testing.assert_close(module.encoder.state_dict()[key].double(), value, rtol=0, atol=1e-6)
     assert any("running_mean" in key for key in final_mean) == (clip_fixture == "batchnorm_clip")
+
+
+def test_frozen_batchnorm_keeps_theta_0_statistics_while_its_weights_train(tmp_path, batchnorm_clip):
+    recorder, module = _fit_with_recorder(tmp_path, batchnorm_clip)  # batchnorm: frozen (the default)
+    theta_0 = load_state_dict(tmp_path / "pretrained.safetensors")
+    statistics = [k for k in theta_0 if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    affine = [k.replace("running_mean", "weight") for k in statistics if k.endswith("running_mean")]
+    assert statistics and affine
+    for state in recorder.ends.values():
+        for key in statistics:
+            assert torch.equal(state[key], theta_0[key]), key
+    assert any(not torch.equal(recorder.ends[(2, 0)][k], theta_0[k]) for k in affine)
+    bn_modes = [m.training for m in module.encoder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bn_modes and not any(bn_modes)
+    module.train()  # Lightning or a user switching the module to train mode keeps BatchNorm frozen
+    assert not any(m.training for m in module.encoder.modules() if isinstance(m, torch.nn.BatchNorm2d))
 
 
 def test_logged_cosines_match_an_independent_computation(tmp_path, small_clip):

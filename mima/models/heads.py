@@ -1,23 +1,37 @@
-"""Zero-shot classification heads, built the CLIP way and cached as safetensors.
+"""Frozen classification heads, one per task, cached as safetensors.
 
-For each class, every prompt template is filled with the class name and encoded by the text
-tower; the embeddings are L2-normalised, averaged, normalised again, and the stacked rows are
-scaled by exp(logit_scale). The head is frozen during fine-tuning (paper 001, section 5).
+Zero-shot heads (the papers'): for each class, every prompt template is filled with the class
+name and encoded by the text tower; the embeddings are L2-normalised, averaged, normalised again,
+and the stacked rows are scaled by exp(logit_scale). The head is frozen during fine-tuning
+(paper 001, section 5).
+
+Linear-probe heads (the stand-in where no pretrained text tower exists, e.g. the offline suite's
+ImageNet MobileNetV2): a multinomial logistic regression without intercept, fitted on the
+L2-normalised features the pretrained image encoder gives the task's training images. It has the
+zero-shot head's form (logits = normalize(features) @ head.T) and, like it, depends only on
+theta_0 and is frozen: every task model and every merge is judged against the same heads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from mima.models.clip import text_tower_fingerprint
+from mima.models.clip import LoadedClip, text_tower_fingerprint
 from mima.safetensors_io import load_state_dict, save_state_dict
+
+HeadKind = Literal["zero_shot", "linear_probe"]
+PROBE_EXAMPLES = 5000  # training images a probe is fitted on (a fixed-seed subset when there are more)
+PROBE_C = 10.0  # inverse L2 strength; features have norm 1, so weights need room to grow
+PROBE_SEED = 0
 
 
 @torch.no_grad()
@@ -56,3 +70,85 @@ def cached_zero_shot_head(
     head = zero_shot_head(model, tokenizer, classnames, templates)
     save_state_dict(path, {"head": head}, metadata={"task": task_name, "classnames": list(classnames)})
     return head
+
+
+@torch.no_grad()
+def encoder_features(encoder: nn.Module, dataset: Dataset, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised features (eval mode) and labels of every example of `dataset`."""
+    was_training = encoder.training
+    encoder.eval()
+    device = next(encoder.parameters()).device
+    features, labels = [], []
+    for images, targets in DataLoader(dataset, batch_size=batch_size):
+        features.append(F.normalize(encoder(images.to(device)).float(), dim=-1).cpu())
+        labels.append(torch.as_tensor(targets))
+    encoder.train(was_training)
+    return torch.cat(features), torch.cat(labels)
+
+
+def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int, c: float = PROBE_C) -> torch.Tensor:
+    """A [num_classes, dim] head W such that features @ W.T are the probe's logits (no intercept)."""
+    from sklearn.linear_model import LogisticRegression
+
+    present = sorted(set(labels.tolist()))
+    probe = LogisticRegression(C=c, fit_intercept=False, max_iter=2000, tol=1e-6)
+    probe.fit(features.double().numpy(), labels.numpy())
+    coef = torch.from_numpy(probe.coef_).float()
+    if len(present) == 2:  # scikit-learn keeps one row for two classes: logits (0, w.x) in class order
+        coef = torch.cat([torch.zeros_like(coef), coef])
+    head = torch.zeros(num_classes, features.shape[1])
+    head[torch.tensor(present)] = coef  # classes absent from the probe's data stay at logit 0
+    return head
+
+
+def _probe_subset(dataset: Dataset) -> Dataset:
+    if len(dataset) <= PROBE_EXAMPLES:
+        return dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(PROBE_SEED))
+    return Subset(dataset, order[:PROBE_EXAMPLES].sort().values.tolist())
+
+
+def image_tower_fingerprint(encoder: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for key, tensor in sorted(encoder.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def task_heads(
+    loaded: LoadedClip,
+    kind: HeadKind,
+    tasks: Sequence,
+    train_sets: Mapping[str, Dataset] | None,
+    cache_dir: Path,
+    data_key: str = "",
+) -> dict[str, torch.Tensor]:
+    """One frozen head per task spec (zero-shot, or a linear probe on `train_sets[task]`), cached.
+
+    `data_key` names the probe's data (suite, root, split seed) in the cache key."""
+    if kind == "zero_shot":
+        fingerprint = text_tower_fingerprint(loaded.model)
+        return {
+            spec.name: cached_zero_shot_head(
+                loaded.model, loaded.tokenizer, spec.classnames, spec.templates, cache_dir, spec.name, fingerprint
+            )
+            for spec in tasks
+        }
+    if kind != "linear_probe":
+        raise ValueError(f"unknown head kind {kind!r}")
+    fingerprint = image_tower_fingerprint(loaded.encoder)
+    heads = {}
+    for spec in tasks:
+        key = hashlib.sha256(
+            json.dumps({"encoder": fingerprint, "task": spec.name, "classes": list(spec.classnames), "data": data_key,
+                        "examples": PROBE_EXAMPLES, "c": PROBE_C, "seed": PROBE_SEED}).encode()
+        ).hexdigest()[:20]
+        path = Path(cache_dir) / "heads" / f"{spec.name}-probe-{key}.safetensors"
+        if path.is_file():
+            heads[spec.name] = load_state_dict(path)["head"]
+            continue
+        features, labels = encoder_features(loaded.encoder, _probe_subset(train_sets[spec.name]))
+        heads[spec.name] = fit_linear_probe(features, labels, spec.num_classes)
+        save_state_dict(path, {"head": heads[spec.name]}, metadata={"task": spec.name, "kind": "linear_probe"})
+    return heads

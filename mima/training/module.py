@@ -19,13 +19,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from mima.errors import MimaError
 from mima.models.classifier import classify
-from mima.models.clip import LoadedClip, default_cache_dir, load_clip, text_tower_fingerprint
-from mima.models.heads import cached_zero_shot_head
+from mima.models.clip import LoadedClip, default_cache_dir, load_clip
+from mima.models.heads import HeadKind, task_heads
 from mima.training.layout import TaskLayout
 from mima.training.lr_schedule import ScheduleName, ScheduleScope, lr_factor
 from mima.training.plan import PhasePlan, check_budget
 
 OptimizerState = Literal["reset", "keep"]
+BatchNormMode = Literal["frozen", "train"]
 
 
 class _Detached:
@@ -55,7 +56,15 @@ class MimaModule(L.LightningModule):
         optimizer_state: "reset": fresh AdamW moments for every task segment (each phase is a new
             fine-tune from the average); "keep": each task keeps its own moments across phases
             (costs two encoder-sized buffers per task on the process).
-        cache_dir: where the embedded model and zero-shot heads are cached (default $MIMA_CACHE_DIR
+        heads: "zero_shot": each task's frozen head comes from the text tower and the task's class
+            names and templates (the papers); "linear_probe": a logistic regression fitted on the
+            pretrained encoder's features of the task's training images (for models without a
+            pretrained text tower, e.g. `embedded:mobilenetv2-imagenet`).
+        batchnorm: "frozen" (default): BatchNorm layers keep theta_0's running statistics during
+            fine-tuning (their weights still train), so every task model and every merge shares
+            them; "train": statistics follow each task's batches (and are averaged at each sync).
+            Measured on the offline suite: train-mode statistics make merges collapse (README).
+        cache_dir: where the embedded models and heads are cached (default $MIMA_CACHE_DIR
             or ~/.cache/mima).
     """
 
@@ -71,6 +80,8 @@ class MimaModule(L.LightningModule):
         lr_schedule: ScheduleName = "cosine",
         schedule_scope: ScheduleScope = "run",
         optimizer_state: OptimizerState = "reset",
+        heads: HeadKind = "zero_shot",
+        batchnorm: BatchNormMode = "frozen",
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
@@ -110,29 +121,31 @@ class MimaModule(L.LightningModule):
             iterations=self.hparams.iterations,
         )
         self.replica = (self.layout.replica_index(rank), self.layout.replicas)
-        for slot, task_index in enumerate(self.plan.local_tasks):
-            spec = datamodule.task_specs[task_index]
-            self.register_buffer(f"head_{slot}", self._zero_shot_head(spec), persistent=False)
+        local_specs = [datamodule.task_specs[task_index] for task_index in self.plan.local_tasks]
+        for slot, head in enumerate(self._task_heads(datamodule, local_specs).values()):
+            self.register_buffer(f"head_{slot}", head, persistent=False)
         self._text.value = None  # the text tower is no longer needed
         self.encoder.requires_grad_(True)
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
-        self.encoder.train()
+        self.train()
 
-    def _zero_shot_head(self, spec) -> torch.Tensor:
+    def _task_heads(self, datamodule, specs) -> dict[str, torch.Tensor]:
         loaded = self._text.value
         if loaded is None:
-            raise RuntimeError("zero-shot heads must be built before the text tower is dropped")
-        if not hasattr(self, "_fingerprint"):
-            self._fingerprint = text_tower_fingerprint(loaded.model)
-        return cached_zero_shot_head(
-            loaded.model,
-            loaded.tokenizer,
-            spec.classnames,
-            spec.templates,
-            self.cache_dir,
-            spec.name,
-            fingerprint=self._fingerprint,
-        )
+            raise RuntimeError("heads must be built before the text tower is dropped")
+        train_sets = None
+        if self.hparams.heads == "linear_probe":  # fitted on theta_0: setup runs before any checkpoint loads
+            train_sets = {spec.name: datamodule.task_data(spec.name, self.image_size, self.preprocess).train for spec in specs}
+        return task_heads(loaded, self.hparams.heads, specs, train_sets, self.cache_dir, datamodule.data_key)
+
+    def train(self, mode: bool = True) -> MimaModule:
+        """nn.Module.train, except that BatchNorm layers stay in eval mode when `batchnorm` is frozen."""
+        super().train(mode)
+        if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen":
+            for layer in self.encoder.modules():
+                if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+                    layer.eval()
+        return self
 
     def head(self, slot: int) -> torch.Tensor:
         return getattr(self, f"head_{slot}")

@@ -178,6 +178,8 @@ def _quiet_lightning_notes() -> None:
     # The PhaseBatchSampler starts a resumed epoch where it stopped, which Lightning cannot know.
     warnings.filterwarnings("ignore", message=r".*dataloader is not resumable.*")
     warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
+    # BatchNorm layers kept in eval mode on purpose (model.batchnorm: frozen).
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
 class _DropExpectedNotes(logging.Filter):

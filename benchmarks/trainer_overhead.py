@@ -1,0 +1,172 @@
+"""What the Lightning trainer costs: steps per second of `mima fit` against a bare PyTorch loop that
+does the same optimiser steps on the same model and batches, run side by side.
+
+Both run the offline suite's model (ImageNet MobileNetV2 image tower, 48x48 inputs, frozen
+BatchNorm statistics, linear-probe heads) on two of its tasks with MIMA (S steps per task, N
+phases), on the CPU with the same thread count:
+  * mima: `mima fit` with configs/offline.yaml cut to the benchmark's size: Lightning loop, sync
+    callback with its cosine diagnostics, metrics, progress bar, and a checkpoint at the end of every
+    task segment (mima's defaults);
+  * bare: a `for` loop over the same DataLoader (mima's PhaseBatchSampler: identical batches), the
+    same AdamW and learning-rate factor, a fresh optimiser per segment, the phase average at each
+    phase end; no checkpoints, no diagnostics.
+Time is counted from the start of the second step to the end of training (setup, the probes and
+the first step's allocations are excluded from both); the runs alternate and the median of the
+repeats is reported. Both end with the same final weights (printed: max |difference|), which
+shows that they did the same work.
+
+    python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from mima.data.datamodule import TaskSuiteDataModule
+from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
+from mima.models.classifier import classify
+from mima.models.clip import default_cache_dir, load_clip
+from mima.models.heads import task_heads
+from mima.run_dir import RunFolder
+from mima.training.lr_schedule import lr_factor
+from mima.training.plan import PhasePlan
+from mima.training.trainer import run_fit
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ["mnist", "fashion_mnist"]
+
+
+class StepTimer(Callback):
+    """Writes the time from the start of the second optimiser step to the end of training."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.start = path, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 1 and self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        elapsed = time.perf_counter() - self.start
+        Path(self.path).write_text(json.dumps({"seconds": elapsed, "steps": trainer.global_step - 1}))
+
+
+def benchmark_config(steps: int, iterations: int, out: Path, timer_file: Path) -> dict:
+    config = yaml.safe_load((ROOT / "configs" / "offline.yaml").read_text())
+    config["model"].update(steps=steps, iterations=iterations, warmup_steps=steps // 10)
+    config["data"].update(tasks=TASKS)
+    config["trainer"].update(
+        enable_model_summary=False,
+        callbacks=[{"class_path": "trainer_overhead.StepTimer", "init_args": {"path": str(timer_file)}}],
+    )
+    config.update(out=str(out), overwrite=True)
+    return config
+
+
+def run_mima(config: dict, timer_file: Path) -> tuple[float, int, list[dict]]:
+    run = RunFolder(run_fit(config).run_dir)
+    timing = json.loads(timer_file.read_text())
+    return timing["seconds"], timing["steps"], [run.final(task) for task in run.task_order()]
+
+
+def _freeze_batchnorm(encoder: torch.nn.Module) -> None:
+    encoder.train()
+    for layer in encoder.modules():
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            layer.eval()
+
+
+def _average(states: list[dict]) -> dict:
+    """Task-ordered sum in float32 (at least), divided by the count, cast back: mima's rounding."""
+    average = {}
+    for key, first in states[0].items():
+        total = first.to(torch.promote_types(first.dtype, torch.float32), copy=True)
+        for state in states[1:]:
+            total += state[key]
+        average[key] = (total / len(states)).to(first.dtype)
+    return average
+
+
+def run_bare(config: dict) -> tuple[float, int, list[dict]]:
+    """MIMA as a plain loop: same model, heads, batches, optimiser and schedule; nothing else."""
+    model_cfg, data_cfg = config["model"], config["data"]
+    torch.manual_seed(config["seed_everything"])
+    loaded = load_clip(model_cfg["clip"])
+    encoder = loaded.encoder
+    data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
+                               seed=data_cfg["seed"])
+    splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
+    heads = task_heads(loaded, model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
+                       default_cache_dir(), data.data_key)
+    head_list = [heads[name] for name in data.task_names]
+    plan = PhasePlan(tuple(data.task_names), tuple(range(len(data.task_names))), model_cfg["steps"], model_cfg["iterations"])
+    train_sets = [splits[name].train for name in data.task_names]
+    sampler = PhaseBatchSampler(plan, [len(s) for s in train_sets], data_cfg["batch_size"], data_cfg["seed"], 0, (0, 1))
+    loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler)
+
+    _freeze_batchnorm(encoder)
+    phase_start = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+    segment_ends: list[dict] = []
+    start = None
+    for step, (images, labels, _) in enumerate(loader):
+        if step == 1:
+            start = time.perf_counter()
+        position = plan.position(step)
+        if position.starts_segment:
+            encoder.load_state_dict(phase_start)
+            optimizer = torch.optim.AdamW(encoder.parameters(), lr=model_cfg["lr"], weight_decay=model_cfg["weight_decay"])
+        factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"])
+        for group in optimizer.param_groups:
+            group["lr"] = model_cfg["lr"] * factor
+        loss = F.cross_entropy(classify(encoder, head_list[position.slot], images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if plan.ends_segment(step):
+            segment_ends.append({k: v.detach().clone() for k, v in encoder.state_dict().items()})
+            if plan.ends_phase(step):
+                final = segment_ends
+                phase_start, segment_ends = _average(segment_ends), []
+    return time.perf_counter() - start, len(sampler) - 1, final
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="S, steps per task")
+    parser.add_argument("--iterations", type=int, default=2, help="N")
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    torch.set_num_threads(2)
+    rates: dict[str, list[float]] = {"mima": [], "bare": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(options.repeats):
+            timer_file = Path(scratch) / "timer.json"
+            config = benchmark_config(options.steps, options.iterations, Path(scratch) / "run", timer_file)
+            mima_seconds, mima_steps, mima_final = run_mima(config, timer_file)
+            bare_seconds, bare_steps, bare_final = run_bare(config)
+            assert mima_steps == bare_steps, (mima_steps, bare_steps)
+            rates["mima"].append(mima_steps / mima_seconds)
+            rates["bare"].append(bare_steps / bare_seconds)
+            difference = max(
+                (a[k].double() - b[k].double()).abs().max().item() for a, b in zip(mima_final, bare_final) for k in a
+            )
+            print(f"repeat {repeat + 1}: mima {rates['mima'][-1]:.2f} steps/s, bare {rates['bare'][-1]:.2f} steps/s, "
+                  f"{mima_steps} timed steps, final weights max |mima - bare| = {difference:.2e}")
+    mima_rate, bare_rate = statistics.median(rates["mima"]), statistics.median(rates["bare"])
+    print(f"\nmedian steps/s: mima fit {mima_rate:.2f}, bare PyTorch loop {bare_rate:.2f}; "
+          f"ratio mima/bare = {mima_rate / bare_rate:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Tasks read from folders of images: a user's own tasks, and the shared code of the folder-based
+benchmark tasks (DTD, EuroSAT, RESISC45, SUN397 in `mima.data.clip_tasks`).
+
+A custom task is any folder of class sub-folders, named in a config:
+
+    data:
+      custom_tasks:
+        - name: shapes
+          path: /data/shapes
+          classnames_file: null     # optional: one class name per line, in sorted folder order
+          templates: null           # optional: prompt templates; default DEFAULT_TEMPLATES
+
+Two layouts are accepted:
+  split layout   PATH/train/<class>/*.png  [+ PATH/val/<class>/...]  [+ PATH/test/<class>/...]
+                 (used when PATH/train exists and PATH holds no folders besides train, val, test)
+  flat layout    PATH/<class>/*.png
+Classes are the sub-folders of PATH/train (split layout) or PATH (flat layout), in sorted order,
+as torchvision's ImageFolder orders them; a class's name is its folder name with "_" read as a
+space, unless `classnames_file` gives the names. Files are read recursively below each class folder.
+
+Relative paths are read from the working directory.
+
+Splits (fixed seeds, so every run and every merge sees the same images):
+  test  PATH/test, or else a holdout of TEST_FRACTION of the training images;
+  val   PATH/val, or else carved from the training images: 10% of them, at most 5000 (the
+        task_vectors rule, `mima.data.splits.carve_validation`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+from torch.utils.data import Dataset, Subset
+
+from mima.data.splits import carve_validation, holdout_split
+from mima.data.tasks import LoadOptions, TaskData, TaskSpec
+from mima.errors import MimaError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+DEFAULT_TEMPLATES = ("a photo of a {}.", "a photo of the {}.", "an image of a {}.")
+SPLIT_FOLDERS = ("train", "val", "test")
+TEST_FRACTION = 0.2
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+TEST_SPLIT_SEED = 20240607  # + split_seed: the holdout moves with the split seed, as the digits suite does
+
+
+@dataclass
+class FolderTask:
+    """A task read from a folder of class sub-folders (see the module docstring for the layouts).
+
+    Args:
+        name: the task's name in `data.tasks`, run folders and results (must not be a suite task's).
+        path: the task's folder.
+        classnames_file: a text file with one class name per line, in the sorted order of the class
+            folders (default: the folder names, "_" read as a space).
+        templates: prompt templates of the zero-shot head, each with one "{}" for the class name
+            (default: DEFAULT_TEMPLATES).
+    """
+
+    name: str
+    path: str
+    classnames_file: str | None = None
+    templates: list[str] | None = None
+
+
+# ------------------------------------------------------------------------- shared image reading
+class ImageFiles(Dataset):
+    """(image, label) pairs from image files: read with PIL, made RGB, then `transform`."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable) -> None:
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        with Image.open(path) as image:
+            return self.transform(image.convert("RGB")), label
+
+
+def rgb_transform(options: LoadOptions) -> Callable:
+    """The model's preprocessing after a conversion to RGB (grayscale datasets such as MNIST give
+    one-channel images; CLIP towers want three). Without a model transform (loader tests), images
+    are resized and centre-cropped to `options.image_size`, as tensors in [0, 1]."""
+    from torchvision import transforms
+
+    preprocess = options.preprocess or transforms.Compose(
+        [transforms.Resize(options.image_size), transforms.CenterCrop(options.image_size), transforms.ToTensor()]
+    )
+    return transforms.Compose([_to_rgb, preprocess])
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def class_folders(folder: Path) -> list[str]:
+    """The sub-folder names of `folder`, sorted (torchvision ImageFolder's class order)."""
+    return sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
+
+
+def image_files(folder: Path) -> list[str]:
+    """Every image file below `folder` (recursively, following links), in a fixed sorted order."""
+    found = []
+    for directory, subdirs, files in os.walk(folder, followlinks=True):
+        subdirs.sort()
+        found += [os.path.join(directory, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    return found
+
+
+def scan_split(
+    folder: Path,
+    class_to_index: Mapping[str, int],
+    what: str,
+    require_all: bool = False,
+    keep: Callable[[str], bool] | None = None,
+) -> list[tuple[str, int]]:
+    """(file, label) pairs of a folder of class sub-folders whose labels come from `class_to_index`.
+
+    A sub-folder that is not a known class is an error (labels would silently shift otherwise);
+    with `require_all` every class must have a folder. `keep` filters files by path. `what` names
+    the task and split in messages."""
+    if not folder.is_dir():
+        raise MimaError(f"{what}: {folder} is not a folder")
+    present = class_folders(folder)
+    unknown = [name for name in present if name not in class_to_index]
+    if unknown:
+        raise MimaError(f"{what}: folder '{unknown[0]}' in {folder} is not one of the task's {len(class_to_index)} classes")
+    if require_all and len(present) < len(class_to_index):
+        absent = [name for name in class_to_index if name not in present]
+        raise MimaError(f"{what}: {folder} lacks {len(absent)} of the {len(class_to_index)} class folders (e.g. '{absent[0]}')")
+    samples = []
+    for name in present:
+        files = image_files(folder / name)
+        samples += [(path, class_to_index[name]) for path in files if keep is None or keep(path)]
+    if not samples:
+        raise MimaError(f"{what}: no image files ({', '.join(IMAGE_EXTENSIONS[:3])}, ...) below {folder}")
+    return samples
+
+
+def with_validation(train: Dataset, val: Dataset | None, split_seed: int) -> tuple[Dataset, Dataset]:
+    """(train, val): the given validation split, or else one carved from `train` by the task_vectors
+    rule (10% of the training set, at most 5000 examples, fixed seed)."""
+    if val is not None:
+        return train, val
+    train_idx, val_idx = carve_validation(len(train), split_seed)
+    return Subset(train, train_idx.tolist()), Subset(train, val_idx.tolist())
+
+
+# ------------------------------------------------------------------------------- custom tasks
+def as_folder_task(value: FolderTask | Mapping, position: int = 0) -> FolderTask:
+    """A FolderTask from itself or from a mapping (a config read as plain YAML)."""
+    if isinstance(value, FolderTask):
+        task = value
+    elif isinstance(value, Mapping):
+        allowed = set(FolderTask.__dataclass_fields__)
+        extra = sorted(set(value) - allowed)
+        if extra:
+            raise MimaError(f"data.custom_tasks[{position}]: unknown key '{extra[0]}' (keys: {', '.join(sorted(allowed))})")
+        if "name" not in value or "path" not in value:
+            raise MimaError(f"data.custom_tasks[{position}]: needs 'name' and 'path'")
+        task = FolderTask(**value)
+    else:
+        raise MimaError(f"data.custom_tasks[{position}]: expected a mapping with name and path, got {value!r}")
+    if not TASK_NAME.fullmatch(str(task.name)):
+        # the name becomes file names (final/<task>.safetensors, cached heads)
+        raise MimaError(f"data.custom_tasks[{position}]: name {task.name!r} must be letters, digits and _ . + - (no spaces or '/')")
+    return task
+
+
+@dataclass(frozen=True)
+class FolderLayout:
+    """What was found in a custom task's folder: the class folders and the split folders."""
+
+    classes: tuple[str, ...]
+    train: Path
+    val: Path | None
+    test: Path | None
+
+
+def read_layout(task: FolderTask) -> FolderLayout:
+    """The layout of `task.path` (cheap: lists folders, reads no image)."""
+    root = Path(task.path).expanduser()
+    what = f"data.custom_tasks '{task.name}'"
+    if not root.is_dir():
+        raise MimaError(f"{what}: path {root} is not a folder (expected {root}/<class>/<images> or {root}/train/<class>/<images>)")
+    subfolders = class_folders(root)
+    split_layout = (root / "train").is_dir() and set(subfolders) <= set(SPLIT_FOLDERS)
+    train = root / "train" if split_layout else root
+    classes = tuple(class_folders(train))
+    if len(classes) < 2:
+        raise MimaError(f"{what}: {train} has {len(classes)} class folder(s); a task needs at least 2 (one sub-folder per class)")
+    optional = {name: (root / name if split_layout and (root / name).is_dir() else None) for name in ("val", "test")}
+    return FolderLayout(classes, train, optional["val"], optional["test"])
+
+
+def read_classnames(task: FolderTask, classes: Sequence[str]) -> tuple[str, ...]:
+    """Class names from `task.classnames_file` (one a line, sorted folder order) or the folder names."""
+    if task.classnames_file is None:
+        return tuple(name.replace("_", " ") for name in classes)
+    path = Path(task.classnames_file).expanduser()
+    if not path.is_file():
+        raise MimaError(f"data.custom_tasks '{task.name}': classnames_file {path}: no such file")
+    names = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    if len(names) != len(classes):
+        raise MimaError(
+            f"data.custom_tasks '{task.name}': classnames_file {path} has {len(names)} names but {task.path} has "
+            f"{len(classes)} class folders (one name per line, in sorted folder order: {', '.join(classes[:3])}, ...)"
+        )
+    return names
+
+
+def check_templates(task: FolderTask) -> tuple[str, ...]:
+    templates = tuple(task.templates) if task.templates is not None else DEFAULT_TEMPLATES
+    if not templates:
+        raise MimaError(f"data.custom_tasks '{task.name}': templates is empty")
+    for template in templates:
+        if not isinstance(template, str) or template.count("{}") != 1:
+            raise MimaError(f"data.custom_tasks '{task.name}': template {template!r} must hold '{{}}' exactly once")
+    return templates
+
+
+def folder_task_spec(task: FolderTask) -> TaskSpec:
+    """The TaskSpec of a custom task. Class folders and names are read now (heads are built before
+    any image is loaded); the images are listed when the task's data is loaded."""
+    layout = read_layout(task)
+    classnames = read_classnames(task, layout.classes)
+    templates = check_templates(task)
+
+    def load(options: LoadOptions) -> TaskData:
+        return load_folder_task(task, layout, options)
+
+    return TaskSpec(name=task.name, classnames=classnames, templates=templates, load=load)
+
+
+def load_folder_task(task: FolderTask, layout: FolderLayout, options: LoadOptions) -> TaskData:
+    transform = rgb_transform(options)
+    index = {name: i for i, name in enumerate(layout.classes)}
+    what = f"task '{task.name}'"
+    samples = scan_split(layout.train, index, f"{what} (train)")
+    if layout.test is not None:
+        train_all = ImageFiles(samples, transform)
+        test: Dataset = ImageFiles(scan_split(layout.test, index, f"{what} (test)"), transform)
+    else:
+        everything = ImageFiles(samples, transform)
+        rest, held = holdout_split(len(everything), TEST_FRACTION, TEST_SPLIT_SEED + options.split_seed)
+        train_all, test = Subset(everything, rest.tolist()), Subset(everything, held.tolist())
+    val = ImageFiles(scan_split(layout.val, index, f"{what} (val)"), transform) if layout.val is not None else None
+    train, val = with_validation(train_all, val, options.split_seed)
+    for split, dataset in (("train", train), ("val", val), ("test", test)):
+        if len(dataset) == 0:
+            raise MimaError(f"{what}: the {split} split is empty ({len(samples)} training images under {layout.train})")
+    return TaskData(train=train, val=val, test=test)

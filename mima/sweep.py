@@ -1,0 +1,162 @@
+"""A sweep over N: one `mima fit` per value of N from the same config, then every merge of each
+run, the Table-1 style results (results.json / .csv / .md, selection.json) and the plots.
+
+`mima demo` is this sweep on the embedded digits config; `benchmarks/offline_suite.py` runs it on
+any config file (the offline suite's, or a user's custom image-folder tasks); `mima evaluate`
+is its second half for runs that already exist (e.g. the SLURM array's, one per N).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+from mima.errors import MimaError
+from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
+from mima.evaluation.report import ModelResult, markdown_text, write_results
+from mima.merging import get_method
+from mima.merging.context import context_from_config
+from mima.merging.selection import merge_with_defaults, select_on_validation
+from mima.run_dir import RunFolder, task_vector_cosines
+from mima.state_dicts import mean_off_diagonal
+from mima.training.plan import check_budget
+from mima.training.trainer import run_fit
+
+RESULT_FILES = ("results.json", "results.csv", "results.md", "selection.json")
+
+
+def run_sweep(
+    config: dict,
+    out_dir: Path,
+    iterations: Sequence[int],
+    merges: Sequence[str],
+    select_on_val: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+    title: str = "mima sweep",
+    extra: dict | None = None,
+) -> list[ModelResult]:
+    """Fit `config` once per N in `iterations` (runs in out_dir/runs/N<n>), then `evaluate_runs`."""
+    started = time.time()
+    steps = config["model"]["steps"]
+    for n in iterations:
+        check_budget(steps, n, names=("model.steps", "iterations"))
+    methods = _data_free_per_model(merges)
+    _prepare(out_dir, overwrite)
+    _quiet_lightning()
+    print(f"{title}: S={steps} steps per task, N in {list(iterations)}")
+    run_dirs = []
+    for n in iterations:
+        run_started = time.time()
+        run_config = copy.deepcopy(config)
+        run_config["model"]["iterations"] = n
+        run_config.setdefault("trainer", {}).update(enable_progress_bar=progress, enable_model_summary=False)
+        run_config.update(out=str(out_dir / "runs" / f"N{n}"), overwrite=True)
+        run_dirs.append(run_fit(run_config).run_dir)
+        print(f"N={n}: trained in {time.time() - run_started:.0f} s")
+    return evaluate_runs(
+        run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
+        extra=extra, started=started,
+    )
+
+
+def evaluate_runs(
+    run_dirs: Sequence[Path],
+    out_dir: Path,
+    merges: Sequence[str],
+    select_on_val: bool = True,
+    overwrite: bool = False,
+    title: str = "mima evaluate",
+    extra: dict | None = None,
+    started: float | None = None,
+) -> list[ModelResult]:
+    """Evaluate finished runs of the same tasks and model (typically one per N): theta_0 with the
+    frozen heads, each task model on its task, and every merge (hyperparameters chosen on the
+    validation split); write the results table and plots to `out_dir`."""
+    started = started or time.time()
+    methods = _data_free_per_model(merges)
+    _prepare(out_dir, overwrite)
+    runs = [RunFolder(Path(run_dir)) for run_dir in run_dirs]
+    context = context_from_config(runs[0].path)
+    if torch.cuda.is_available() and not any(method.needs_data for method in methods):
+        context.encoder.to("cuda")  # evaluation only; data-dependent merges keep the context on the CPU
+    for run in runs[1:]:
+        if run.task_order() != context.tasks:
+            raise MimaError(f"{run.path}: tasks {run.task_order()} differ from {runs[0].path}'s {context.tasks}")
+    config = yaml.safe_load((runs[0].path / "config.yaml").read_text())
+    head_kind = (config.get("model") or {}).get("heads", "zero_shot")
+    print(f"{title}: {len(context.tasks)} tasks ({', '.join(context.tasks)}); merges: {', '.join(merges)}")
+    test, val = context.evaluator("test"), context.evaluator("val")
+    zero_shot = test.accuracy(runs[0].pretrained())
+    print(f"{head_kind} heads, test accuracy at theta_0: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in zero_shot.items()))
+
+    results: list[ModelResult] = []
+    pairwise: dict[int, list[float]] = {}
+    phases: dict[int, list[dict]] = {}
+    for run in runs:
+        run_started = time.time()
+        tasks = run.task_order()
+        base = run.pretrained()
+        models = [run.final(task) for task in tasks]
+        n = _iterations_of(run)
+        cos = task_vector_cosines(base, models)
+        pairwise[n] = [float(cos[i, j]) for i in range(len(tasks)) for j in range(i + 1, len(tasks))]
+        phases[n] = run.phase_records()
+        fine_tuned = {task: test.accuracy(model, [task])[task] for task, model in zip(tasks, models)}
+        results.append(ModelResult(n, "zero_shot", zero_shot))
+        results.append(ModelResult(n, "fine_tuned", fine_tuned, mean_cos_tau=mean_off_diagonal(cos)))
+        for method in methods:
+            if select_on_val and method.grid:
+                chosen = select_on_validation(method, models, base, val.mean_accuracy, context=context)
+            else:
+                chosen = merge_with_defaults(method, models, base, context=context)
+            hparams = {k: v for k, v in chosen.hparams.items() if k != "matrix_keys"}
+            results.append(
+                ModelResult(n, method.name, test.accuracy(chosen.merged), hparams=hparams, validation_accuracy=chosen.score)
+            )
+        summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in results if r.N == n and r.model != "zero_shot")
+        print(f"N={n}: cos(tau) {mean_off_diagonal(cos):.3f}; {summary} ({time.time() - run_started:.0f} s)")
+
+    seconds = round(time.time() - started, 1)
+    info = {"heads": head_kind, "select_on": "val" if select_on_val else "defaults", "runs": [str(r.path) for r in runs]}
+    info.update(steps=config["model"]["steps"], **(extra or {}))
+    info["seconds_total"] = seconds
+    write_results(out_dir, results, extra=info, title=title)
+    plot_accuracy_vs_n(results, out_dir / "merged_accuracy_vs_N.png")
+    plot_cosine_vs_n(pairwise, phases, out_dir / "cosine_vs_N.png")
+    print()
+    print(markdown_text(results, title=title))
+    print(f"Wrote {out_dir}/results.{{json,csv,md}}, selection.json and plots in {seconds:.0f} s.")
+    return results
+
+
+def _iterations_of(run: RunFolder) -> int:
+    config = yaml.safe_load((run.path / "config.yaml").read_text())
+    return int(config["model"]["iterations"])
+
+
+def _data_free_per_model(merges: Sequence[str]) -> list:
+    methods = [get_method(name) for name in merges]
+    per_task = [method.name for method in methods if method.per_task]
+    if per_task:
+        raise MimaError(f"--merges: '{per_task[0]}' keeps one model per task; use `mima merge` for it")
+    return methods
+
+
+def _prepare(out_dir: Path, overwrite: bool) -> None:
+    existing = [name for name in RESULT_FILES if (out_dir / name).exists()]
+    if existing and not overwrite:
+        raise MimaError(f"--out {out_dir}: already holds results ({', '.join(existing)}); pass --overwrite or another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _quiet_lightning() -> None:
+    """A sweep runs several fits; keep Lightning's per-fit banners out of the way."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)

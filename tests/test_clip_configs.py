@@ -1,0 +1,210 @@
+"""The paper-scale configs (configs/clip/) and the N-sweep job array (slurm/sweep_n.sbatch), offline.
+
+No CLIP weights or benchmark data can be fetched here, so the configs are built with random
+weights (`--model.pretrained none`) over an empty data root that only has the files' names in
+place (the data check looks at names, nothing is read). The zero-shot heads of all 8 tasks need
+every prompt through ViT-B/32's text tower (3,727 prompts; 13 minutes on this 2-core CPU, shared
+with other jobs): the fast test builds the three tasks with the fewest prompts and checks every
+task's class list; the test that builds all 8 heads is marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+import yaml
+
+from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
+from mima.models.heads import task_heads
+from mima.training.plan import check_budget
+from mima.training.trainer import build_cli
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {name: REPO / "configs" / "clip" / f"{name}.yaml" for name in ("ViT-B-32", "ViT-B-16", "ViT-L-14")}
+SWEEP = REPO / "slurm" / "sweep_n.sbatch"
+SWEEP_N = (1, 2, 4, 8, 16, 20)
+EIGHT = ("Cars", "DTD", "EuroSAT", "GTSRB", "MNIST", "RESISC45", "SUN397", "SVHN")
+
+# The datasets' own class counts (their papers / releases), written down independently of
+# mima.data.clip_text so that a class list that lost or gained a name is caught.
+CLASS_COUNTS = {"Cars": 196, "DTD": 47, "EuroSAT": 10, "GTSRB": 43, "MNIST": 10, "RESISC45": 45, "SUN397": 397, "SVHN": 10}
+# Paper 001, section 5 (SPEC 2.1): what every config must say.
+PAPER_MODEL = {
+    "pretrained": "openai", "steps": 2000, "lr": 1e-5, "weight_decay": 0.1, "warmup_steps": 200,
+    "lr_schedule": "cosine", "schedule_scope": "run", "optimizer_state": "reset", "heads": "zero_shot",
+}
+CHEAP_HEADS = ("EuroSAT", "MNIST", "SVHN")  # 50 prompts: seconds, not minutes
+
+
+def _printed_config(config: Path, *overrides: str) -> dict:
+    """`mima fit --config X --print_config` in process: the config as LightningCLI resolves it."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as stopped:
+        build_cli(["--config", str(config), *overrides, "--print_config"])
+    assert stopped.value.code in (0, None)
+    return yaml.safe_load(printed.getvalue())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_is_accepted_and_holds_the_paper_recipe(name):
+    config = _printed_config(CONFIGS[name])
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    assert model["clip"] == name and {k: model[k] for k in PAPER_MODEL} == PAPER_MODEL
+    assert model["iterations"] == 20
+    for n in SWEEP_N:  # every element of the sweep array is a valid run of this config
+        check_budget(model["steps"], n)
+    assert data["suite"] == "clip" and tuple(data["tasks"]) == EIGHT == BENCHMARKS["8"]
+    assert data["batch_size"] == 128
+    assert "SET" in data["root"] and not Path(data["root"]).exists()  # a placeholder users must replace
+    assert trainer["accelerator"] == "gpu" and trainer["precision"] == "bf16-mixed"
+    assert "openai" in open_clip.list_pretrained_tags_by_model(name)
+
+
+def test_command_line_overrides_the_placeholder_root():
+    assert _printed_config(CONFIGS["ViT-B-32"], "--data.root", "/data/clip")["data"]["root"] == "/data/clip"
+
+
+def test_benchmark_class_lists_have_the_datasets_class_counts():
+    for task in EIGHT:
+        names = TASKS[task].classnames
+        assert len(names) == CLASS_COUNTS[task] and len(set(names)) == len(names), task
+        assert TASKS[task].templates, task
+
+
+def _names_only_root(folder: Path, tasks) -> Path:
+    """Every file and folder the tasks' data check expects, empty: enough to build the data module."""
+    for task in tasks:
+        for piece in REAL_TASKS[task].pieces:
+            path = folder / piece.path
+            if piece.is_folder:
+                for class_folder in piece.classes or ("",):
+                    (path / class_folder).mkdir(parents=True, exist_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def b32(tmp_path_factory):
+    """The ViT-B/32 config through `mima fit`'s LightningCLI (module, data module and trainer built,
+    nothing fitted), with random weights and the CPU in place of the GPU."""
+    folder = tmp_path_factory.mktemp("clip-config")
+    root = _names_only_root(folder / "data", EIGHT)
+    cli = build_cli([
+        "--config", str(CONFIGS["ViT-B-32"]), "--model.pretrained", "none", "--data.root", str(root),
+        "--trainer.accelerator", "cpu", "--out", str(folder / "run"),
+    ])
+    return cli, folder
+
+
+def _heads(cli, folder: Path, tasks) -> dict[str, torch.Tensor]:
+    """What MimaModule.setup builds for these tasks: zero-shot heads from the text tower."""
+    specs = [spec for spec in cli.datamodule.task_specs if spec.name in tasks]
+    loaded = cli.model._text.value  # the text tower, kept by the module until its heads exist
+    return task_heads(loaded, cli.model.hparams.heads, specs, None, folder / "heads-cache")
+
+
+def _check_head(head: torch.Tensor, task: str, logit_scale: float) -> None:
+    assert head.shape == (CLASS_COUNTS[task], 512), task
+    assert torch.isfinite(head).all(), task
+    # rows are unit-norm mean prompt embeddings times exp(logit_scale)
+    torch.testing.assert_close(head.norm(dim=-1), torch.full((CLASS_COUNTS[task],), logit_scale))
+
+
+def test_vit_b32_config_builds_the_model_and_zero_shot_heads(b32):
+    cli, folder = b32
+    module, data = cli.model, cli.datamodule
+    assert data.task_names == list(EIGHT)
+    assert cli.trainer.precision == "bf16-mixed"
+    assert sum(p.numel() for p in module.encoder.parameters()) == 87_849_216  # ViT-B/32's image tower
+    assert module.image_size == 224
+    with torch.no_grad():
+        assert module.encoder(torch.zeros(1, 3, 224, 224)).shape == (1, 512)
+    logit_scale = float(module._text.value.model.logit_scale.detach().exp())
+    heads = _heads(cli, folder, CHEAP_HEADS)
+    assert list(heads) == list(CHEAP_HEADS)
+    for task, head in heads.items():
+        _check_head(head, task, logit_scale)
+
+
+@pytest.mark.heavy
+def test_vit_b32_config_builds_all_eight_zero_shot_heads(b32):
+    cli, folder = b32
+    logit_scale = float(cli.model._text.value.model.logit_scale.detach().exp())
+    heads = _heads(cli, folder, EIGHT)
+    assert list(heads) == list(EIGHT)
+    for task, head in heads.items():
+        _check_head(head, task, logit_scale)
+
+
+# ------------------------------------------------------------------------------ the sweep array
+def test_sweep_script_parses():
+    subprocess.run(["bash", "-n", str(SWEEP)], check=True)
+
+
+def _run_sweep_script(tmp_path: Path, index: int, fit_status: int, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """slurm/sweep_n.sbatch outside SLURM, with a stand-in launch.sh (exits `fit_status`) and a
+    stand-in `mima` that record how they were called."""
+    calls = tmp_path / "calls"
+    (tmp_path / "submit" / "slurm").mkdir(parents=True)
+    (tmp_path / "bin").mkdir()
+    calls.mkdir()
+    launch = tmp_path / "submit" / "slurm" / "launch.sh"
+    launch.write_text(
+        f'printf "%s\\n" "$MIMA_RUN_NAME" "$MIMA_CONFIG" "$MIMA_ACCELERATOR" "$@" > {calls}/launch\nexit {fit_status}\n'
+    )
+    mima = tmp_path / "bin" / "mima"
+    mima.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {calls}/mima\n')
+    mima.chmod(0o755)
+    environment = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MIMA_"))},
+        "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": str(index),
+        "MIMA_RUNS": str(tmp_path / "runs"), "MIMA_ENV_ACTIVATE": f"export PATH={tmp_path / 'bin'}:$PATH", **env,
+    }
+    result = subprocess.run(["bash", str(SWEEP), "--data.root", "/data/clip"], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True, timeout=60)
+    return result, calls
+
+
+def test_sweep_element_fits_its_n_then_evaluates_its_run(tmp_path):
+    result, calls = _run_sweep_script(tmp_path, index=3, fit_status=0)
+    assert result.returncode == 0, result.stderr
+    assert (calls / "launch").read_text().split("\n")[:-1] == [
+        "77_N8", "configs/clip/ViT-B-32.yaml", "gpu", "--model.iterations", "8", "--data.root", "/data/clip",
+    ]
+    run_dir = str(tmp_path / "runs" / "77_N8")
+    assert (calls / "mima").read_text().split() == [
+        "evaluate", run_dir, "--out", f"{run_dir}/evaluation", "--merges", "uniform", "task_arithmetic", "ties", "cart",
+        "--overwrite",
+    ]
+
+
+def test_sweep_merges_and_accelerator_come_from_the_environment(tmp_path):
+    result, calls = _run_sweep_script(tmp_path, index=5, fit_status=0, MIMA_MERGES="uniform ties",
+                                      MIMA_ACCELERATOR="cpu", MIMA_CONFIG="my.yaml")
+    assert result.returncode == 0, result.stderr
+    assert (calls / "launch").read_text().split("\n")[:3] == ["77_N20", "my.yaml", "cpu"]
+    merges = (calls / "mima").read_text().split()
+    assert merges[merges.index("--merges") + 1:] == ["uniform", "ties", "--overwrite"]
+
+
+@pytest.mark.parametrize("fit_status", [138, 143, 1])  # preempted by SIGUSR1 / SIGTERM (requeued), failed
+def test_sweep_does_not_evaluate_a_fit_that_did_not_finish(tmp_path, fit_status):
+    result, calls = _run_sweep_script(tmp_path, index=0, fit_status=fit_status)
+    assert result.returncode == fit_status
+    assert (calls / "launch").exists() and not (calls / "mima").exists()
+    assert "not evaluating" in result.stdout
+
+
+def test_sweep_refuses_an_array_index_without_an_n(tmp_path):
+    result, calls = _run_sweep_script(tmp_path, index=len(SWEEP_N), fit_status=0)
+    assert result.returncode != 0 and "has no N" in result.stderr
+    assert not (calls / "launch").exists()
