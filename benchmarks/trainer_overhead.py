@@ -1,7 +1,14 @@
 """What the Lightning trainer costs: steps per second of `mima fit` against a bare PyTorch loop that
 does the same optimiser steps on the same model and batches, run side by side.
 
-Both run the offline suite's model (ImageNet MobileNetV2 image tower, 48x48 inputs, frozen
+Two presets (--preset):
+  cpu   (default) the offline suite's MobileNetV2 on the CPU, described below;
+  gpu   a ViT-B/32 architecture with random weights (`--model.pretrained none`) on the synthetic
+        suite's random 224x224 images (mima.data.synthetic), one CUDA device, bf16 autocast
+        (Lightning precision "bf16-mixed" / torch.autocast in the bare loop), batch 128, 8 loader
+        workers; reported as images per second.
+
+In the cpu preset both run the offline suite's model (ImageNet MobileNetV2 image tower, 48x48 inputs, frozen
 BatchNorm statistics, linear-probe heads) on two of its tasks with MIMA (S steps per task, N
 phases), on the CPU with the same thread count:
   * mima: `mima fit` with configs/offline.yaml cut to the benchmark's size: Lightning loop, sync
@@ -15,7 +22,7 @@ the first step's allocations are excluded from both); the runs alternate and the
 repeats is reported. Both end with the same final weights (printed: max |difference|), which
 shows that they did the same work.
 
-    python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2]
+    python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2] [--preset cpu|gpu]
 """
 
 from __future__ import annotations
@@ -44,7 +51,21 @@ from mima.training.plan import PhasePlan
 from mima.training.trainer import run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ["mnist", "fashion_mnist"]
+PRESETS = {
+    "cpu": {"tasks": ["mnist", "fashion_mnist"]},
+    "gpu": {
+        "tasks": ["synthetic_a", "synthetic_b"],
+        "model": {"clip": "ViT-B-32", "pretrained": "none", "heads": "zero_shot", "lr": 1e-5},
+        "data": {"suite": "synthetic", "batch_size": 128, "num_workers": 8},
+        "trainer": {"accelerator": "gpu", "precision": "bf16-mixed"},
+        "threads_per_process": 4,
+    },
+}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class StepTimer(Callback):
@@ -55,22 +76,31 @@ class StepTimer(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == 1 and self.start is None:
+            _synchronize()
             self.start = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
+        _synchronize()
         elapsed = time.perf_counter() - self.start
         Path(self.path).write_text(json.dumps({"seconds": elapsed, "steps": trainer.global_step - 1}))
 
 
-def benchmark_config(steps: int, iterations: int, out: Path, timer_file: Path) -> dict:
+def benchmark_config(
+    steps: int, iterations: int, out: Path, timer_file: Path, preset: str = "cpu", checkpoint_every: int | None = None
+) -> dict:
     config = yaml.safe_load((ROOT / "configs" / "offline.yaml").read_text())
-    config["model"].update(steps=steps, iterations=iterations, warmup_steps=steps // 10)
-    config["data"].update(tasks=TASKS)
+    chosen = PRESETS[preset]
+    config["model"].update(steps=steps, iterations=iterations, warmup_steps=steps // 10, **chosen.get("model", {}))
+    config["data"].update(tasks=chosen["tasks"], **chosen.get("data", {}))
+    config["trainer"].update(chosen.get("trainer", {}))
+    config["threads_per_process"] = chosen.get("threads_per_process", config["threads_per_process"])
     config["trainer"].update(
         enable_model_summary=False,
         callbacks=[{"class_path": "trainer_overhead.StepTimer", "init_args": {"path": str(timer_file)}}],
     )
     config.update(out=str(out), overwrite=True)
+    if checkpoint_every is not None:
+        config["checkpoint_every"] = checkpoint_every
     return config
 
 
@@ -102,18 +132,22 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
     """MIMA as a plain loop: same model, heads, batches, optimiser and schedule; nothing else."""
     model_cfg, data_cfg = config["model"], config["data"]
     torch.manual_seed(config["seed_everything"])
-    loaded = load_clip(model_cfg["clip"])
-    encoder = loaded.encoder
+    device = "cuda" if config["trainer"]["accelerator"] == "gpu" else "cpu"
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=config["trainer"].get("precision") == "bf16-mixed")
+    loaded = load_clip(model_cfg["clip"], model_cfg.get("pretrained"))
+    encoder = loaded.encoder.to(device)
     data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
                                seed=data_cfg["seed"])
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     heads = task_heads(loaded, model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
                        default_cache_dir(), data.data_key)
-    head_list = [heads[name] for name in data.task_names]
+    head_list = [heads[name].to(device) for name in data.task_names]
     plan = PhasePlan(tuple(data.task_names), tuple(range(len(data.task_names))), model_cfg["steps"], model_cfg["iterations"])
     train_sets = [splits[name].train for name in data.task_names]
     sampler = PhaseBatchSampler(plan, [len(s) for s in train_sets], data_cfg["batch_size"], data_cfg["seed"], 0, (0, 1))
-    loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler)
+    workers = data_cfg.get("num_workers", 0)
+    loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler, num_workers=workers,
+                        persistent_workers=workers > 0)
 
     _freeze_batchnorm(encoder)
     phase_start = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
@@ -121,7 +155,9 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
     start = None
     for step, (images, labels, _) in enumerate(loader):
         if step == 1:
+            _synchronize()
             start = time.perf_counter()
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         position = plan.position(step)
         if position.starts_segment:
             encoder.load_state_dict(phase_start)
@@ -129,7 +165,8 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
         factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"])
         for group in optimizer.param_groups:
             group["lr"] = model_cfg["lr"] * factor
-        loss = F.cross_entropy(classify(encoder, head_list[position.slot], images), labels)
+        with autocast:
+            loss = F.cross_entropy(classify(encoder, head_list[position.slot], images).float(), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -138,6 +175,8 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
             if plan.ends_phase(step):
                 final = segment_ends
                 phase_start, segment_ends = _average(segment_ends), []
+    _synchronize()
+    final = [{k: v.cpu() for k, v in state.items()} for state in final]
     return time.perf_counter() - start, len(sampler) - 1, final
 
 
@@ -146,13 +185,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="S, steps per task")
     parser.add_argument("--iterations", type=int, default=2, help="N")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="mima fit's checkpoint_every (default: K, every task segment; 0: no checkpoints, like the bare loop)")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu", help="cpu: offline MobileNetV2; gpu: ViT-B/32 bf16")
     options = parser.parse_args()
-    torch.set_num_threads(2)
+    if options.preset == "gpu" and not torch.cuda.is_available():
+        parser.error("--preset gpu needs a CUDA device")
+    torch.set_num_threads(PRESETS[options.preset].get("threads_per_process", 2))  # as mima fit's threads_per_process
     rates: dict[str, list[float]] = {"mima": [], "bare": []}
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(options.repeats):
             timer_file = Path(scratch) / "timer.json"
-            config = benchmark_config(options.steps, options.iterations, Path(scratch) / "run", timer_file)
+            config = benchmark_config(options.steps, options.iterations, Path(scratch) / "run", timer_file, options.preset,
+                                      options.checkpoint_every)
             mima_seconds, mima_steps, mima_final = run_mima(config, timer_file)
             bare_seconds, bare_steps, bare_final = run_bare(config)
             assert mima_steps == bare_steps, (mima_steps, bare_steps)
@@ -164,8 +209,11 @@ def main() -> None:
             print(f"repeat {repeat + 1}: mima {rates['mima'][-1]:.2f} steps/s, bare {rates['bare'][-1]:.2f} steps/s, "
                   f"{mima_steps} timed steps, final weights max |mima - bare| = {difference:.2e}")
     mima_rate, bare_rate = statistics.median(rates["mima"]), statistics.median(rates["bare"])
+    batch = config["data"]["batch_size"]
     print(f"\nmedian steps/s: mima fit {mima_rate:.2f}, bare PyTorch loop {bare_rate:.2f}; "
           f"ratio mima/bare = {mima_rate / bare_rate:.3f}")
+    print(f"images/s (batch {batch}): mima fit {batch * mima_rate:.0f}, bare {batch * bare_rate:.0f}"
+          + (f" on {torch.cuda.get_device_name()}" if options.preset == "gpu" else ""))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
     mima evaluate RUN_DIR [RUN_DIR ...] --out DIR [--merges uniform ties ...]   the Table-1 results of finished runs
     mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
     mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
+    mima analyze cosine|landscape|rank-sweep|ctl|gradients ...   why a merge works (plots + numbers)
+    mima report DIR [--out DIR]                     one Markdown + HTML page for a run or a sweep
 
 A user's mistake (a missing file, an unknown option value, incompatible checkpoints) is reported
 as one line on stderr with exit status 2, and leaves no partial output behind.
@@ -27,6 +29,8 @@ COMMANDS = {
     "evaluate": "merge and evaluate finished runs (one per N): the Table-1 results table and plots",
     "convert": "turn a pickled module checkpoint into a safetensors state dict, without running its code",
     "data": "data tools: `mima data check --root DIR` shows which benchmark tasks are ready and what is missing",
+    "analyze": "analyses of a run's models: cosine, landscape, rank-sweep, ctl, gradients (mima analyze --help)",
+    "report": "one Markdown and HTML page for a run or a sweep: results table, plots, analyses, checkpoints",
 }
 DATA_COMMANDS = {
     "check": "list, per task, the files and folders expected under --root and which are missing (exit 1 if any)",
@@ -59,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             evaluate_command(rest)
         elif command == "data":
             return data_command(rest)
+        elif command == "analyze":
+            analyze_command(rest)
+        elif command == "report":
+            report_command(rest)
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
     except MimaError as exc:
@@ -196,6 +204,40 @@ def data_command(argv: Sequence[str]) -> int:
                         help="first let torchvision download the checked tasks it can (needs internet)")
     options = parser.parse_args(argv[1:])
     return run_check(options.root, select_tasks(options.tasks, options.benchmark), download=options.download)
+
+
+# ---------------------------------------------------------------------------- analyze
+def analyze_command(argv: Sequence[str]) -> None:
+    import importlib
+
+    from mima.analysis import ANALYSES
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mima analyze ANALYSIS [options]   (mima analyze ANALYSIS --help)\n\nanalyses:")
+        print("\n".join(f"  {name:<10} {text}" for name, (_, text) in ANALYSES.items()))
+        return
+    name = argv[0]
+    if name not in ANALYSES:
+        raise MimaError(f"unknown analysis '{name}' (analyses: {', '.join(ANALYSES)})")
+    module_name, description = ANALYSES[name]
+    module = importlib.import_module(module_name)
+    parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
+    module.add_arguments(parser)
+    module.main(parser.parse_args(argv[1:]))
+
+
+# ----------------------------------------------------------------------------- report
+def report_command(argv: Sequence[str]) -> None:
+    from mima.report import add_arguments, main
+
+    parser = _OneLineParser(
+        prog="mima report",
+        description="Write one page (report.md and a self-contained report.html) for a `mima fit` run folder or a "
+        "sweep folder (`mima demo`, `mima evaluate --out`): the Table-1 results, alignment and accuracy plots, "
+        "the analyses found under analysis/, and links to the checkpoints.",
+    )
+    add_arguments(parser)
+    main(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -50,3 +50,21 @@ def test_adamerging_lowers_entropy_and_beats_task_arithmetic_on_the_demo_tasks(d
     note = context.notes["adamerging"]
     assert note["entropy_after"] < note["entropy_before"]
     assert test.mean_accuracy(adamerged) >= test.mean_accuracy(task_arithmetic.merged)
+
+
+@pytest.mark.slow
+def test_report_and_analyses_on_the_demo(demo):
+    """The README's analysis commands on the demo run, then the page that gathers them."""
+    n8 = demo / "runs" / "N8"
+    assert main(["analyze", "landscape", str(n8), "--tasks", "rot90", "rot180", "--resolution", "5"]) == 0
+    assert main(["analyze", "ctl", str(n8), "--tasks", "rot90", "rot180", "--examples", "50"]) == 0
+    assert main(["report", str(demo)]) == 0
+    markdown = (demo / "report.md").read_text()
+    for image in ("merged_accuracy_vs_N.png", "analysis/cosine/cosine_heatmaps_N8.png",
+                  "runs/N8/analysis/landscape/landscape.png", "runs/N8/analysis/ctl/ctl.png"):
+        assert f"]({image})" in markdown and (demo / image).is_file(), image
+    landscape = json.loads((n8 / "analysis" / "landscape" / "landscape.json").read_text())
+    cosine = json.loads((demo / "analysis" / "cosine" / "cosine.json").read_text())
+    final = next(run for run in cosine["runs"] if run["N"] == 8)["phases"][-1]["cos_tau"]
+    # the landscape's angle between the two task vectors is the one the trainer logged
+    assert abs(landscape["basis"]["cos_tau_a_tau_b"] - final[0][1]) < 1e-5

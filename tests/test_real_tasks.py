@@ -302,3 +302,17 @@ def test_mima_entry_point_runs_data_check(tmp_path):
     assert result.returncode == 1, result.stderr
     assert _row(result.stdout, "MNIST")[1] == "found" and _row(result.stdout, "SVHN")[1] == "missing"
     assert "svhn/train_32x32.mat" in result.stdout and "1 of 2 tasks found" in result.stdout
+
+
+def test_synthetic_suite_is_seeded_sized_and_cycles_its_pool():
+    from mima.data.registry import resolve_tasks
+    from mima.data.synthetic import POOL_SIZE
+    from mima.data.tasks import LoadOptions
+
+    spec_a, spec_b = resolve_tasks("synthetic", ["synthetic_a", "synthetic_b"])
+    first, again = spec_a.load(LoadOptions(image_size=32)), spec_a.load(LoadOptions(image_size=32))
+    image, label = first.train[3]
+    assert image.shape == (3, 32, 32) and image.min() >= -1 and image.max() <= 1 and 0 <= int(label) < 10
+    assert torch.equal(image, again.train[3][0])  # the same seed gives the same pool
+    assert torch.equal(image, first.train[3 + POOL_SIZE][0])  # long splits cycle the pool
+    assert not torch.equal(image, spec_b.load(LoadOptions(image_size=32)).train[3][0])  # tasks differ

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mima.data import clip_tasks, digits, offline
+from mima.data import clip_tasks, digits, offline, synthetic
 from mima.data.tasks import TaskSpec
 from mima.errors import MimaError
 
@@ -12,11 +12,13 @@ SUITES: dict[str, dict[str, TaskSpec]] = {
     "clip": clip_tasks.TASKS,
     "digits": digits.TASKS,
     "offline": offline.TASKS,
+    "synthetic": synthetic.TASKS,
 }
 DEFAULT_TASKS: dict[str, tuple[str, ...]] = {
     "clip": clip_tasks.DEFAULT_TASKS,
     "digits": digits.DEFAULT_TASKS,
     "offline": offline.DEFAULT_TASKS,
+    "synthetic": synthetic.DEFAULT_TASKS,
 }
 
 

@@ -81,45 +81,75 @@ def _fmt(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def markdown_text(results: Sequence[ModelResult], title: str = "Results") -> str:
-    """Per-N Table-1 style tables (abs / rel / gap per task) and a summary across N."""
-    reference = _fine_tuned_by_n(results)
+Table = tuple[list[str], list[list[str]]]  # header, rows of cells
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def summary_table(results: Sequence[ModelResult]) -> Table:
+    """Average absolute test accuracy (%) per model (rows) and N (columns), plus the mean cos(tau) row."""
     n_values = sorted({r.N for r in results})
-    tasks = list(results[0].accuracy) if results else []
-    lines = [f"# {title}", ""]
-    lines += _summary_table(results, n_values)
-    for n in n_values:
-        fine_tuned = reference.get(n)
-        lines += ["", f"## N = {n}", ""]
-        if fine_tuned and fine_tuned.mean_cos_tau is not None:
-            lines += [f"Mean pairwise cosine of the final task vectors: {fine_tuned.mean_cos_tau:.3f}", ""]
-        header = ["model", "abs. acc (%)", "rel. acc (%)", "gap (pts)"] + [f"{t} (%)" for t in tasks] + ["chosen"]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for result in (r for r in results if r.N == n):
-            rel = f"{100 * relative_accuracy(result, fine_tuned):.1f}" if fine_tuned else ""
-            gap = f"{100 * (fine_tuned.mean - result.mean):.1f}" if fine_tuned else ""
-            cells = [result.model, f"{100 * result.mean:.1f}", rel, gap]
-            cells += [f"{100 * result.accuracy[t]:.1f}" for t in tasks]
-            cells.append(", ".join(f"{k}={v}" for k, v in result.hparams.items() if k != "matrix_keys"))
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _summary_table(results: Sequence[ModelResult], n_values: Sequence[int]) -> list[str]:
-    models = list(dict.fromkeys(r.model for r in results))
     by_key = {(r.N, r.model): r for r in results}
-    header = ["model"] + [f"N={n}" for n in n_values]
-    lines = ["Average absolute test accuracy (%) over the tasks:", "", "| " + " | ".join(header) + " |"]
-    lines.append("|" + "---|" * len(header))
-    for model in models:
-        cells = [model] + [f"{100 * by_key[(n, model)].mean:.1f}" if (n, model) in by_key else "" for n in n_values]
-        lines.append("| " + " | ".join(cells) + " |")
+    rows = []
+    for model in dict.fromkeys(r.model for r in results):
+        rows.append([model] + [f"{100 * by_key[(n, model)].mean:.1f}" if (n, model) in by_key else "" for n in n_values])
     cos_cells = ["mean cos(tau)"]
     for n in n_values:
         result = by_key.get((n, "fine_tuned"))
         cos_cells.append(f"{result.mean_cos_tau:.3f}" if result and result.mean_cos_tau is not None else "")
-    lines.append("| " + " | ".join(cos_cells) + " |")
-    return lines
+    return ["model"] + [f"N={n}" for n in n_values], rows + [cos_cells]
+
+
+def n_table(results: Sequence[ModelResult], n: int) -> Table:
+    """Table 1 of paper 001 at one N: abs / rel accuracy, gap and per-task accuracy of every model."""
+    fine_tuned = _fine_tuned_by_n(results).get(n)
+    tasks = list(results[0].accuracy) if results else []
+    header = ["model", "abs. acc (%)", "rel. acc (%)", "gap (pts)"] + [f"{t} (%)" for t in tasks] + ["chosen"]
+    rows = []
+    for result in (r for r in results if r.N == n):
+        rel = f"{100 * relative_accuracy(result, fine_tuned):.1f}" if fine_tuned else ""
+        gap = f"{100 * (fine_tuned.mean - result.mean):.1f}" if fine_tuned else ""
+        cells = [result.model, f"{100 * result.mean:.1f}", rel, gap] + [f"{100 * result.accuracy[t]:.1f}" for t in tasks]
+        cells.append(", ".join(f"{k}={v}" for k, v in result.hparams.items() if k != "matrix_keys"))
+        rows.append(cells)
+    return header, rows
+
+
+def markdown_text(results: Sequence[ModelResult], title: str = "Results") -> str:
+    """Per-N Table-1 style tables (abs / rel / gap per task) and a summary across N."""
+    reference = _fine_tuned_by_n(results)
+    lines = [f"# {title}", "", "Average absolute test accuracy (%) over the tasks:", ""]
+    lines += markdown_table(*summary_table(results))
+    for n in sorted({r.N for r in results}):
+        fine_tuned = reference.get(n)
+        lines += ["", f"## N = {n}", ""]
+        if fine_tuned and fine_tuned.mean_cos_tau is not None:
+            lines += [f"Mean pairwise cosine of the final task vectors: {fine_tuned.mean_cos_tau:.3f}", ""]
+        lines += markdown_table(*n_table(results, n))
+    return "\n".join(lines) + "\n"
+
+
+def read_results(folder: Path) -> list[ModelResult]:
+    """The ModelResults of a results folder (results.json, with the choices from selection.json)."""
+    rows = json.loads((folder / "results.json").read_text())
+    selection_file = folder / "selection.json"
+    chosen = {}
+    if selection_file.is_file():
+        for entry in json.loads(selection_file.read_text()).get("selection", []):
+            chosen[(entry["N"], entry["model"])] = entry
+    results: dict[tuple[int, str], ModelResult] = {}
+    for row in rows:
+        key = (int(row["N"]), row["model"])
+        if key not in results:
+            entry = chosen.get(key, {})
+            results[key] = ModelResult(key[0], key[1], {}, row.get("mean_cos_tau"), entry.get("hparams") or {},
+                                       entry.get("validation_accuracy"))
+        if row["task"] != "mean":
+            results[key].accuracy[row["task"]] = float(row["accuracy"])
+    return list(results.values())
 
 
 def write_results(

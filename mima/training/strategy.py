@@ -22,7 +22,13 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from mima.training.checkpointing import META, PARTIAL, rank_file, write_atomically, write_json_atomically
+from mima.training.checkpointing import (
+    META,
+    PARTIAL,
+    rank_file,
+    write_atomically,
+    write_json_atomically,
+)
 from mima.training.layout import TaskLayout
 
 
@@ -52,6 +58,12 @@ class MimaStrategy(DDPStrategy):
         return DistributedDataParallel(
             module=model, device_ids=self.determine_ddp_device_ids(), process_group=self.task_group, **self._ddp_kwargs
         )
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning asserts a DDP-wrapped model on CUDA; a process alone with its tasks is not wrapped
+        # (found on an H100: one GPU, W <= T), and has no gradient communication to hook.
+        if isinstance(self.model, DistributedDataParallel):
+            super()._register_ddp_hooks()
 
     def teardown(self) -> None:
         super().teardown()

@@ -1,0 +1,300 @@
+"""`mima report DIR`: one page for a run or a sweep, as report.md (images linked) and report.html
+(one self-contained file: the images are embedded as data URIs, so it can be mailed or attached).
+
+A sweep folder (`mima demo`, `mima evaluate --out`, benchmarks/offline_suite.py: results.json and
+runs/) gets the Table-1 results, the accuracy-vs-N and alignment plots, every analysis found under
+DIR/analysis/ and the runs' analysis/ folders, and links to each run's checkpoints. A run folder
+(`mima fit`: metrics.jsonl, final/) gets its settings, the per-phase alignment and loss table, its
+evaluation (RUN/evaluation/, as the SLURM array writes it) when there is one, the analyses and the
+checkpoints. The cosine analysis needs no data, so it is run here when its plots are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mima.errors import MimaError
+from mima.evaluation.report import markdown_table, n_table, read_results, summary_table
+from mima.run_dir import RunFolder
+from mima.safetensors_io import write_text_atomic
+
+REPORT_FILES = ("report.md", "report.html")
+
+# What each plot shows, for the page's captions (file name -> caption); unknown PNGs get their name.
+CAPTIONS = {
+    "merged_accuracy_vs_N.png": "Average test accuracy of each merge vs the number of MIMA iterations N, with each task's "
+    "own fine-tuned model (dashed) and the pretrained model (dotted) for reference.",
+    "cosine_vs_N.png": "Left: pairwise cosines of the final task vectors per N. Right: mean pairwise cosine of tau and of "
+    "the phase updates delta at the end of each phase.",
+    "cosine_phases.png": "Pairwise cosines of tau (blue) and delta (orange) over all task pairs at the end of each phase.",
+    "landscape.png": "Test error (%) on the plane through theta_0 spanned by two task vectors: task A, task B and their "
+    "mean; theta_0, the task models and the merges (projected onto the plane) are marked.",
+    "rank-sweep.png": "Merged accuracy vs the kept rank of the task vectors: centered (CART) vs original task vectors.",
+    "rank-sweep_layers.png": "Row-space interference I(k) and reconstruction error R(k) per layer vs rank (paper 000 eq. 5, 7).",
+    "ctl.png": "Cross-task linearity per layer: features of the weight-interpolated model vs the interpolation of the "
+    "two models' features, against the baseline similarity of the two models' features.",
+    "ctl_arithmetic.png": "Cross-task linearity of task arithmetic (theta_0 + lam (tau_A + tau_B)) per layer.",
+    "gradients.png": "Each epoch's share of the total gradient norm, cosine of each epoch's gradient with the first, and "
+    "task arithmetic of one-epoch vs converged task vectors.",
+}
+
+
+# ------------------------------------------------------------------------------------ page blocks
+@dataclass
+class Page:
+    """A list of blocks rendered to Markdown and HTML. Text may hold [links](path) and `code`."""
+
+    title: str
+    blocks: list[tuple[str, object]] = field(default_factory=list)
+
+    def heading(self, text: str) -> None:
+        self.blocks.append(("heading", text))
+
+    def text(self, text: str) -> None:
+        self.blocks.append(("text", text))
+
+    def bullets(self, items: list[str]) -> None:
+        self.blocks.append(("bullets", items))
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.blocks.append(("table", (header, rows)))
+
+    def image(self, path: Path, caption: str) -> None:
+        self.blocks.append(("image", (path, caption)))
+
+
+def render_markdown(page: Page, at: Path) -> str:
+    lines = [f"# {page.title}", ""]
+    for kind, value in page.blocks:
+        if kind == "heading":
+            lines += [f"## {value}", ""]
+        elif kind == "text":
+            lines += [value, ""]
+        elif kind == "bullets":
+            lines += [f"- {item}" for item in value] + [""]
+        elif kind == "table":
+            lines += markdown_table(*value) + [""]
+        elif kind == "image":
+            path, caption = value
+            lines += [f"![{caption}]({_relative(path, at)})", "", f"*{caption}*", ""]
+    return "\n".join(lines)
+
+
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:.9em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
+td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}figure{margin:1em 0 2em}img{max-width:100%}
+figcaption{color:#555;font-size:.9em}code{background:#f3f3f3;padding:0 .2em}"""
+
+
+def render_html(page: Page, at: Path) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(page.title)}</title>",
+             f"<style>{_STYLE}</style></head><body><h1>{html.escape(page.title)}</h1>"]
+    for kind, value in page.blocks:
+        if kind == "heading":
+            parts.append(f"<h2>{html.escape(value)}</h2>")
+        elif kind == "text":
+            parts.append(f"<p>{_inline_html(value, at)}</p>")
+        elif kind == "bullets":
+            parts.append("<ul>" + "".join(f"<li>{_inline_html(item, at)}</li>" for item in value) + "</ul>")
+        elif kind == "table":
+            header, rows = value
+            head = "".join(f"<th>{html.escape(cell)}</th>" for cell in header)
+            body = "".join("<tr>" + "".join(f"<td>{_inline_html(cell, at)}</td>" for cell in row) + "</tr>" for row in rows)
+            parts.append(f"<table><tr>{head}</tr>{body}</table>")
+        elif kind == "image":
+            path, caption = value
+            data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+            parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(caption)}'>"
+                         f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _inline_html(text: str, at: Path) -> str:
+    escaped = html.escape(text)
+    escaped = re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
+    escaped = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", escaped)
+    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"<a href='\2'>\1</a>", escaped)
+
+
+def _relative(path: Path, at: Path) -> str:
+    return Path(os.path.relpath(Path(path).resolve(), at.resolve())).as_posix()
+
+
+def link(path: Path, at: Path, text: str | None = None) -> str:
+    return f"[{text or path.name}]({_relative(path, at)})"
+
+
+# ------------------------------------------------------------------------------------ sections
+def _size(path: Path) -> str:
+    size = path.stat().st_size
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return ""
+
+
+def results_section(page: Page, folder: Path) -> None:
+    """The Table-1 style tables of a results folder (results.json + selection.json)."""
+    results = read_results(folder)
+    page.heading("Results (paper 001, Table 1 style)")
+    page.text("Average absolute test accuracy (%) over the tasks, per model and number of MIMA iterations N. "
+              "`fine_tuned` is each task's own model on its own task; `zero_shot` is theta_0 with the frozen heads; "
+              "the other rows are merges of the N-run's task models, hyperparameters chosen on the validation split. "
+              "Last row: mean pairwise cosine of the final task vectors.")
+    page.table(*summary_table(results))
+    page.text("Per N: absolute accuracy; relative accuracy (merged accuracy on each task over that task's fine-tuned "
+              "model, averaged); single-task gap (fine-tuned minus merged, in points); per-task accuracy; the chosen "
+              "hyperparameters.")
+    for n in sorted({r.N for r in results}):
+        page.text(f"**N = {n}**")
+        page.table(*n_table(results, n))
+    for name in ("merged_accuracy_vs_N.png", "cosine_vs_N.png"):
+        if (folder / name).is_file():
+            page.image(folder / name, CAPTIONS[name])
+
+
+def phase_section(page: Page, run: Path) -> None:
+    records = RunFolder(run).phase_records()
+    if not records:
+        return
+    tasks = list(records[0]["tasks"])
+    page.heading("Phases")
+    page.text("At the end of each phase: mean pairwise cosine of the task vectors tau and of the phase updates delta, "
+              "and each task's mean training loss over the phase.")
+    header = ["phase", "step", "mean cos(tau)", "mean cos(delta)"] + [f"loss {t}" for t in tasks]
+    rows = [[str(r["phase"]), str(r["step"]), f"{r['mean_cos_tau']:.3f}", f"{r['mean_cos_delta']:.3f}"]
+            + [f"{r['loss'].get(t, float('nan')):.3f}" for t in tasks] for r in records]
+    page.table(header, rows)
+
+
+def cosine_section(page: Page, folder: Path, runs: list[Path]) -> None:
+    from mima.analysis.cosine import analyse
+
+    target = folder / "analysis" / "cosine"
+    if not (target / "cosine.json").is_file():
+        analyse([folder] if folder in runs or (folder / "runs").is_dir() else runs, out=target)
+    page.heading("Alignment of the task models (paper 001, Fig. 5 and 11)")
+    page.image(target / "cosine_phases.png", CAPTIONS["cosine_phases.png"])
+    heatmaps = {int(p.stem.split("_N")[-1]): p for p in target.glob("cosine_heatmaps_N*.png")}
+    if heatmaps:  # the largest N: the matrices sharpen phase by phase
+        n = max(heatmaps)
+        page.image(heatmaps[n], f"Pairwise cosine matrices of tau (top) and delta (bottom) at selected phases, N = {n}.")
+    if (target / "cosine_vs_N.png").is_file() and not (folder / "cosine_vs_N.png").is_file():  # a sweep has its own
+        page.image(target / "cosine_vs_N.png", "Pairwise cosines of the final task vectors per N.")
+
+
+def analyses_section(page: Page, folders: list[tuple[str, Path]]) -> None:
+    """Every analysis output folder (RUN/analysis/<name>) except cosine, with its PNGs."""
+    found = [(label, sub) for label, folder in folders for sub in sorted((folder / "analysis").glob("*"))
+             if sub.is_dir() and sub.name != "cosine" and any(sub.glob("*.png"))]
+    if not found:
+        return
+    page.heading("Analyses")
+    page.text("Outputs of `mima analyze` found next to the runs (numbers in each folder's JSON).")
+    for label, sub in found:
+        page.text(f"**{sub.name}** ({label})")
+        for png in sorted(sub.glob("*.png")):
+            page.image(png, CAPTIONS.get(png.name, png.stem))
+
+
+def checkpoints_section(page: Page, runs: list[Path], at: Path) -> None:
+    page.heading("Checkpoints")
+    page.text("Safetensors state dicts of the image encoder: theta_0 and each task's model after the last phase "
+              "(load with `safetensors.torch.load_file`; merge with `mima merge --models RUN`).")
+    rows = []
+    for run in runs:
+        folder = RunFolder(run)
+        try:
+            tasks = folder.task_order()
+        except MimaError:
+            continue
+        files = [run / "pretrained.safetensors"] + [run / "final" / f"{t}.safetensors" for t in tasks]
+        cells = [f"{link(f, at, f.stem)} ({_size(f)})" for f in files if f.is_file()]
+        rows.append([link(run, at, run.name), ", ".join(cells)])
+    page.table(["run", "theta_0 and task models"], rows)
+
+
+# ------------------------------------------------------------------------------------ the page
+def _run_settings(run: Path) -> list[str]:
+    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
+    model, data = config.get("model") or {}, config.get("data") or {}
+    steps, n = model.get("steps"), model.get("iterations")
+    k = steps // n if isinstance(steps, int) and isinstance(n, int) and n else "?"
+    trainer = config.get("trainer") or {}
+    return [
+        f"model `{model.get('clip')}` (pretrained: {model.get('pretrained') or 'default'}), heads `{model.get('heads', 'zero_shot')}`",
+        f"tasks: {', '.join(data.get('tasks') or [])} (suite `{data.get('suite')}`)",
+        f"S = {steps} steps per task, N = {n} phases of K = {k} steps; lr {model.get('lr')}, batch {data.get('batch_size')}, "
+        f"schedule {model.get('lr_schedule')}, optimiser state {model.get('optimizer_state')}",
+        f"trainer: {trainer.get('accelerator')} x {trainer.get('devices')} device(s), {trainer.get('num_nodes', 1)} node(s), "
+        f"precision {trainer.get('precision')}",
+    ]
+
+
+def build_page(folder: Path, at: Path) -> Page:
+    is_sweep = (folder / "results.json").is_file() and (folder / "runs").is_dir()
+    is_run = (folder / "metrics.jsonl").is_file()
+    if not (is_sweep or is_run):
+        raise MimaError(f"{folder}: not a sweep folder (results.json and runs/) nor a `mima fit` run folder (metrics.jsonl)")
+    if is_sweep:
+        runs = sorted((p for p in (folder / "runs").iterdir() if (p / "metrics.jsonl").is_file()),
+                      key=lambda p: (len(p.name), p.name))
+        page = Page(f"mima report: sweep {folder.name}")
+        page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}; "
+                  f"{len(runs)} runs ({', '.join(r.name for r in runs)}).")
+        if runs:
+            page.bullets(_run_settings(runs[0])[:2])
+        results_section(page, folder)
+    else:
+        runs = [folder]
+        page = Page(f"mima report: run {folder.name}")
+        page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}.")
+        page.bullets(_run_settings(folder))
+        evaluation = folder / "evaluation"
+        if (evaluation / "results.json").is_file():
+            results_section(page, evaluation)
+        else:
+            page.text("No evaluation yet: `mima evaluate RUN --out RUN/evaluation` adds the results table.")
+        phase_section(page, folder)
+    cosine_section(page, folder, runs)
+    analyses_section(page, [("sweep", folder)] * is_sweep + [(f"run {r.name}", r) for r in runs])
+    checkpoints_section(page, runs, at)
+    return page
+
+
+def write_report(folder: Path, out: Path | None = None, overwrite: bool = False) -> list[Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MimaError(f"{folder}: no such folder")
+    out = Path(out) if out is not None else folder
+    existing = [name for name in REPORT_FILES if (out / name).exists()]
+    if existing and not overwrite:
+        raise MimaError(f"--out {out}: already holds {', '.join(existing)}; pass --overwrite or another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    page = build_page(folder, out)
+    write_text_atomic(out / "report.md", render_markdown(page, out))
+    write_text_atomic(out / "report.html", render_html(page, out))
+    return [out / name for name in REPORT_FILES]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", type=Path, help="a sweep folder (results.json, runs/) or a `mima fit` run folder")
+    parser.add_argument("--out", type=Path, help="where report.md and report.html go (default: the folder itself)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier report in --out")
+
+
+def main(options: argparse.Namespace) -> None:
+    started = time.time()
+    written = write_report(options.folder, options.out, options.overwrite)
+    print(f"mima report: wrote {', '.join(map(str, written))} in {time.time() - started:.1f} s")
