@@ -58,7 +58,7 @@ def run_demo(
     merges: Sequence[str] = DEMO_MERGES,
 ) -> list[ModelResult]:
     """The demo sweep (`mima.sweep.run_sweep` on `demo_config`)."""
-    return run_sweep(
+    results = run_sweep(
         demo_config(iterations[0], steps, lr_schedule),
         out_dir,
         iterations=iterations,
@@ -69,3 +69,5 @@ def run_demo(
         title="mima demo: MIMA on the embedded digits tasks",
         extra={"lr_schedule": lr_schedule},
     )
+    print(f"One page with every table and plot: mima report {out_dir}; why the merges work: mima analyze --help")
+    return results
