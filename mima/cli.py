@@ -70,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
     except MimaError as exc:
-        print(f"mima {command}: error: {exc}", file=sys.stderr)
+        # name the subcommand too (`mima analyze landscape: error: ...`), unless it is the mistake itself
+        label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command
+        print(f"mima {label}: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
