@@ -18,13 +18,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from trainer_overhead import PRESETS, benchmark_config, run_bare
+from trainer_overhead import PRESETS, _synchronize, benchmark_config, run_bare
 from mima.training.trainer import run_fit
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class StepClock(Callback):
