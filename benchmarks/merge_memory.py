@@ -71,7 +71,7 @@ def write_models(folder: Path, tasks: int, model_name: str) -> tuple[Path, list[
     import open_clip
     import torch
 
-    from mima.merging.tensor_files import SafetensorsWriter
+    from mima.core.tensor_files import SafetensorsWriter
 
     shapes = {k: (v.shape, v.dtype) for k, v in open_clip.create_model(model_name).visual.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
@@ -172,7 +172,7 @@ def _tiny_models(folder: Path) -> tuple[Path, list[Path], int]:
     """Two small models with ViT key names, for measuring each program's baseline RSS."""
     import torch
 
-    from mima.safetensors_io import save_state_dict
+    from mima.core.safetensors_io import save_state_dict
 
     shapes = {"transformer.resblocks.0.mlp.c_fc.weight": (16, 8), "transformer.resblocks.0.mlp.c_fc.bias": (16,)}
     paths = [folder / "base.safetensors", folder / "t0.safetensors", folder / "t1.safetensors"]

@@ -21,11 +21,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 from mima.merging import MERGE_METHODS
 from mima.sweep import run_sweep
+from mima.training.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,13 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
     try:
-        if not options.config.is_file():
-            raise MimaError(f"--config {options.config}: no such file")
-        config = yaml.safe_load(options.config.read_text()) or {}
-        if "model" not in config or "steps" not in config["model"]:
-            raise MimaError(f"--config {options.config}: needs model.steps (S, the same for every N)")
+        config = load_run_config(options.config)  # the values `mima fit --config` would use
         run_sweep(
-            config,
+            config.as_dict(),
             options.out,
             iterations=options.iterations,
             merges=options.merges or data_free_methods(),

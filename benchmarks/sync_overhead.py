@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from mima.models.embedded import TINY_DIGITS_RECIPE
 from mima.training.averaging import average_phase
-from mima.training.layout import TaskLayout
+from mima.core.layout import TaskLayout
 
 WORLD, TASKS = 2, 4
 MODELS = {

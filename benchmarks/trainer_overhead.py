@@ -42,12 +42,14 @@ from torch.utils.data import DataLoader
 
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
+from mima.models.batchnorm import train_with_frozen_batchnorm
 from mima.models.classifier import classify
 from mima.models.clip import default_cache_dir, load_clip
 from mima.models.heads import task_heads
-from mima.run_dir import RunFolder
+from mima.core.run_folder import RunFolder
 from mima.training.lr_schedule import lr_factor
-from mima.training.plan import PhasePlan
+from mima.core.plan import PhasePlan
+from mima.training.run_config import load_run_config
 from mima.training.trainer import run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,13 +112,6 @@ def run_mima(config: dict, timer_file: Path) -> tuple[float, int, list[dict]]:
     return timing["seconds"], timing["steps"], [run.final(task) for task in run.task_order()]
 
 
-def _freeze_batchnorm(encoder: torch.nn.Module) -> None:
-    encoder.train()
-    for layer in encoder.modules():
-        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
-            layer.eval()
-
-
 def _average(states: list[dict]) -> dict:
     """Task-ordered sum in float32 (at least), divided by the count, cast back: mima's rounding."""
     average = {}
@@ -130,11 +125,12 @@ def _average(states: list[dict]) -> dict:
 
 def run_bare(config: dict) -> tuple[float, int, list[dict]]:
     """MIMA as a plain loop: same model, heads, batches, optimiser and schedule; nothing else."""
-    model_cfg, data_cfg = config["model"], config["data"]
-    torch.manual_seed(config["seed_everything"])
+    run_config = load_run_config(config)  # the values (and defaults) `mima fit` uses
+    model_cfg, data_cfg = run_config.model_args(), run_config.data_args()
+    torch.manual_seed(run_config.seed)
     device = "cuda" if config["trainer"]["accelerator"] == "gpu" else "cpu"
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=config["trainer"].get("precision") == "bf16-mixed")
-    loaded = load_clip(model_cfg["clip"], model_cfg.get("pretrained"))
+    loaded = load_clip(model_cfg["clip"], model_cfg["pretrained"])
     encoder = loaded.encoder.to(device)
     data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
                                seed=data_cfg["seed"])
@@ -149,7 +145,7 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
     loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler, num_workers=workers,
                         persistent_workers=workers > 0)
 
-    _freeze_batchnorm(encoder)
+    train_with_frozen_batchnorm(encoder)
     phase_start = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     segment_ends: list[dict] = []
     start = None

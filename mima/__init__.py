@@ -1,11 +1,16 @@
 """mima: multi-task fine-tuning with iterated model averaging, and model merging.
 
-The pieces, by package:
-  mima.models     open_clip models, the embedded tiny CLIP, zero-shot classification heads
-  mima.data       task registry and suites, splits, the per-task batch schedule
-  mima.training   the LightningModule, the MIMA synchronisation callback, `mima fit`
-  mima.merging    merge strategies (one module each) and their hyperparameter selection
-  mima.evaluation accuracy, the Table-1 style report, plots
+The pieces, by package (imports go one way, top to bottom; tests/test_architecture.py checks it):
+  mima.core        state-dict arithmetic, tensor files, atomic writes, truncated SVD, the phase plan,
+                   the run-folder contract (RunFolder, SweepFolder), errors; imports nothing above it
+  mima.data        task registry and suites, splits, the per-task batch schedule, the datamodule
+  mima.models      open_clip models, the embedded models, frozen heads, BatchNorm freezing
+  mima.training    the LightningModule, the MIMA synchronisation callback, `mima fit`, the run config
+  mima.merging     merge strategies (one module each), their registry, the streaming engine (core only)
+  mima.evaluation  accuracy, the Table-1 style report, plots
+  mima.pools       model pool and task pool for data-dependent merges, selection and analyses
+  mima.analysis    why a merge works: one package per analysis (computation, plot, command)
+  mima.sweep, mima.demo, mima.report, mima.merge_command, mima.convert: the commands; mima.cli parses them
 """
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
@@ -98,23 +98,26 @@ def fit_command(argv: Sequence[str]) -> int:
 
 # ------------------------------------------------------------------------------- demo
 def demo_command(argv: Sequence[str]) -> None:
-    from mima.demo import DEMO_ITERATIONS, DEMO_MERGES, run_demo
-    from mima.training.plan import check_budget
+    from mima.core.plan import check_budget
+    from mima.demo import DEMO_ITERATIONS, DEMO_MERGES, demo_config, run_demo
 
-    parser = _OneLineParser(prog="mima demo", description="MIMA on the embedded digits tasks, end to end.")
+    parser = _OneLineParser(prog="mima demo", description="MIMA on the embedded digits tasks (configs/demo.yaml), end to end.")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
     parser.add_argument("--iterations", type=int, nargs="+", default=list(DEMO_ITERATIONS), help="values of N")
-    parser.add_argument("--steps", type=int, default=320, help="S, steps per task (each N must divide it)")
-    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--steps", type=int, help="S, steps per task (each N must divide it; default: configs/demo.yaml's 320); "
+                        "the warm-up follows at 10%% of S")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), help="default: configs/demo.yaml's (constant)")
     parser.add_argument(
         "--no-select", action="store_true", help="use the papers' fixed merge hyperparameters instead of validation"
     )
-    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="merge methods to compare")
+    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES),
+                        help=f"data-free merge strategies to compare (default: {' '.join(DEMO_MERGES)})")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
+    steps = options.steps if options.steps is not None else int(demo_config()["model"]["steps"])
     for n in options.iterations:
-        check_budget(options.steps, n, names=("--steps", "--iterations"))
+        check_budget(steps, n, names=("--steps", "--iterations"))
     run_demo(
         options.out,
         iterations=options.iterations,
@@ -129,7 +132,7 @@ def demo_command(argv: Sequence[str]) -> None:
 
 # ------------------------------------------------------------------------------ merge
 def merge_command(argv: Sequence[str]) -> None:
-    from mima.merging.command import add_arguments, run_merge
+    from mima.merge_command import add_arguments, run_merge
 
     parser = _OneLineParser(prog="mima merge", description="Merge fine-tuned image-encoder state dicts.")
     add_arguments(parser)
@@ -159,7 +162,8 @@ def evaluate_command(argv: Sequence[str]) -> None:
 # ---------------------------------------------------------------------------- convert
 def convert_command(argv: Sequence[str]) -> None:
     from mima.convert import convert_checkpoint
-    from mima.safetensors_io import save_state_dict
+    from mima.core.files import refuse_overwrite
+    from mima.core.safetensors_io import save_state_dict
 
     parser = _OneLineParser(
         prog="mima convert",
@@ -173,8 +177,8 @@ def convert_command(argv: Sequence[str]) -> None:
                         "image tower); '' keeps every key")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     options = parser.parse_args(argv)
-    if options.output.exists() and not options.overwrite:
-        raise MimaError(f"{options.output}: already exists (pass --overwrite to replace it)")
+    if not options.overwrite:
+        refuse_overwrite([options.output])
     state = convert_checkpoint(options.source, options.prefix)
     save_state_dict(options.output, state, metadata={"converted_from": str(options.source), "prefix": options.prefix},
                     overwrite=options.overwrite)

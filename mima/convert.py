@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 STAND_IN_NAMESPACES = ("torch.nn.", "open_clip.", "src.", "modeling", "timm.", "torchvision.transforms.")
 STORAGE_DTYPES = {

@@ -1,18 +1,12 @@
 """`mima demo`: the embedded default end to end, on a CPU, with nothing downloaded.
 
 1. Load (or pretrain once and cache) the embedded tiny CLIP; zero-shot heads for the four tasks.
-2. For each N in {1, 2, 4, 8} at a fixed budget S per task: `mima fit` with the demo config.
-3. Merge each run's task models with every registered strategy; hyperparameters are chosen on
-   the validation split (carved from train), accuracy is reported on the test split.
+2. For each N in {1, 2, 4, 8} at a fixed budget S per task: `mima fit` with configs/demo.yaml
+   (the one place the demo's recipe is written down, with the reasons for each value).
+3. Merge each run's task models with the four strategies in DEMO_MERGES (uniform, task arithmetic,
+   TIES, CART; `--merges` picks any other data-free strategies); hyperparameters are chosen on the
+   validation split (carved from train), accuracy is reported on the test split.
 4. Write results.json / .csv / .md, selection.json and two plots; print the table.
-
-The demo's settings scale the paper's recipe (paper 001, section 5) to a 109K-parameter encoder:
-AdamW lr 1e-3 (paper: 1e-5 for ViTs), weight decay 0.1, batch 64 (paper: 128), S = 320 steps per
-task (paper: 2000), linear warm-up over the first 10% of steps as the paper (32 of 320, paper
-200 of 2000), then a constant learning rate. Why constant and not the paper's cosine decay over S:
-with only 320 steps the last phases of a cosine schedule run at a few percent of the peak rate,
-so at N = 8 the task models cannot move away from the average in the last phase and fine-tuned
-accuracy drops (measured: 96.8% -> 89.4%); see the README. `--lr-schedule cosine` runs the paper's.
 """
 
 from __future__ import annotations
@@ -20,46 +14,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.data.digits import DEFAULT_TASKS
+from mima.core.errors import MimaError
 from mima.evaluation.report import ModelResult
 from mima.sweep import run_sweep
+from mima.training.run_config import load_run_config
 
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_ITERATIONS = (1, 2, 4, 8)
 DEMO_MERGES = ("uniform", "task_arithmetic", "ties", "cart")  # the foundation merges; --merges picks others
 
-def demo_config(iterations: int, steps: int = 320, lr_schedule: str = "constant") -> dict:
-    """The config of one demo run (configs/demo.yaml is this with iterations = 4)."""
-    return {
-        "seed_everything": 0,
-        "threads_per_process": 1,
-        "model": {
-            "clip": "embedded:tiny-digits",
-            "steps": steps,
-            "iterations": iterations,
-            "lr": 1.0e-3,
-            "weight_decay": 0.1,
-            "warmup_steps": steps // 10,
-            "lr_schedule": lr_schedule,
-            "schedule_scope": "run",
-            "optimizer_state": "reset",
-        },
-        "data": {"suite": "digits", "tasks": list(DEFAULT_TASKS), "batch_size": 64, "seed": 0},
-        "trainer": {"accelerator": "cpu", "devices": 1},
-    }
+
+def demo_config(steps: int | None = None, lr_schedule: str | None = None) -> dict:
+    """configs/demo.yaml as a `mima fit` config dict; `steps` also rescales the warm-up to 10% of S."""
+    if not DEMO_CONFIG.is_file():
+        raise MimaError(f"{DEMO_CONFIG}: the demo config is missing (run mima from a checkout of the repository)")
+    config = load_run_config(DEMO_CONFIG).as_dict()
+    if steps is not None:
+        config["model"].update(steps=steps, warmup_steps=steps // 10)
+    if lr_schedule is not None:
+        config["model"]["lr_schedule"] = lr_schedule
+    return config
+
 
 def run_demo(
     out_dir: Path,
     iterations: Sequence[int] = DEMO_ITERATIONS,
-    steps: int = 320,
-    lr_schedule: str = "constant",
+    steps: int | None = None,
+    lr_schedule: str | None = None,
     select_on_val: bool = True,
     overwrite: bool = False,
     progress: bool = True,
     merges: Sequence[str] = DEMO_MERGES,
 ) -> list[ModelResult]:
-    """The demo sweep (`mima.sweep.run_sweep` on `demo_config`)."""
+    """The demo sweep (`mima.sweep.run_sweep` on configs/demo.yaml)."""
+    config = demo_config(steps, lr_schedule)
     results = run_sweep(
-        demo_config(iterations[0], steps, lr_schedule),
+        config,
         out_dir,
         iterations=iterations,
         merges=merges,
@@ -67,7 +57,7 @@ def run_demo(
         overwrite=overwrite,
         progress=progress,
         title="mima demo: MIMA on the embedded digits tasks",
-        extra={"lr_schedule": lr_schedule},
+        extra={"lr_schedule": config["model"]["lr_schedule"]},
     )
     print(f"One page with every table and plot: mima report {out_dir}; why the merges work: mima analyze --help")
     return results

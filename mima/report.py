@@ -20,14 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from mima.errors import MimaError
+from mima.core.errors import MimaError
+from mima.core.files import refuse_overwrite, write_text_atomic
+from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.report import markdown_table, n_table, read_results, summary_table
-from mima.run_dir import RunFolder
-from mima.safetensors_io import write_text_atomic
-
-REPORT_FILES = ("report.md", "report.html")
+from mima.training.run_config import load_run_config
 
 # What each plot shows, for the page's captions (file name -> caption); unknown PNGs get their name.
 CAPTIONS = {
@@ -179,25 +176,25 @@ def phase_section(page: Page, run: Path) -> None:
 
 
 def cosine_section(page: Page, folder: Path, runs: list[Path]) -> None:
-    from mima.analysis.cosine import analyse
+    from mima.analysis.cosine.command import analyse
 
-    target = folder / "analysis" / "cosine"
+    target = RunFolder(folder).analysis_dir("cosine")  # a sweep folder keeps its analyses the same way
     if not (target / "cosine.json").is_file():
-        analyse([folder] if folder in runs or (folder / "runs").is_dir() else runs, out=target)
+        analyse([folder] if folder in runs or SweepFolder(folder).runs_dir.is_dir() else runs, out=target)
     page.heading("Alignment of the task models (paper 001, Fig. 5 and 11)")
     page.image(target / "cosine_phases.png", CAPTIONS["cosine_phases.png"])
     heatmaps = {int(p.stem.split("_N")[-1]): p for p in target.glob("cosine_heatmaps_N*.png")}
     if heatmaps:  # the largest N: the matrices sharpen phase by phase
         n = max(heatmaps)
         page.image(heatmaps[n], f"Pairwise cosine matrices of tau (top) and delta (bottom) at selected phases, N = {n}.")
-    if (target / "cosine_vs_N.png").is_file() and not (folder / "cosine_vs_N.png").is_file():  # a sweep has its own
+    if (target / "cosine_vs_N.png").is_file() and not SweepFolder(folder).plot_file(SweepFolder.COSINE_PLOT).is_file():  # a sweep has its own
         page.image(target / "cosine_vs_N.png", "Pairwise cosines of the final task vectors per N.")
 
 
 def analyses_section(page: Page, folders: list[tuple[str, Path]]) -> None:
     """Every analysis output folder (RUN/analysis/<name>) except cosine, with its PNGs."""
-    found = [(label, sub) for label, folder in folders for sub in sorted((folder / "analysis").glob("*"))
-             if sub.is_dir() and sub.name != "cosine" and any(sub.glob("*.png"))]
+    found = [(label, sub) for label, folder in folders for sub in RunFolder(folder).analysis_dirs()
+             if sub.name != "cosine" and any(sub.glob("*.png"))]
     if not found:
         return
     page.heading("Analyses")
@@ -219,7 +216,7 @@ def checkpoints_section(page: Page, runs: list[Path], at: Path) -> None:
             tasks = folder.task_order()
         except MimaError:
             continue
-        files = [run / "pretrained.safetensors"] + [run / "final" / f"{t}.safetensors" for t in tasks]
+        files = [folder.pretrained_file] + [folder.final_file(t) for t in tasks]
         cells = [f"{link(f, at, f.stem)} ({_size(f)})" for f in files if f.is_file()]
         rows.append([link(run, at, run.name), ", ".join(cells)])
     page.table(["run", "theta_0 and task models"], rows)
@@ -227,29 +224,25 @@ def checkpoints_section(page: Page, runs: list[Path], at: Path) -> None:
 
 # ------------------------------------------------------------------------------------ the page
 def _run_settings(run: Path) -> list[str]:
-    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
-    model, data = config.get("model") or {}, config.get("data") or {}
-    steps, n = model.get("steps"), model.get("iterations")
-    k = steps // n if isinstance(steps, int) and isinstance(n, int) and n else "?"
-    trainer = config.get("trainer") or {}
+    config = load_run_config(run)  # the values `mima fit` used, defaults included
+    model, data = config.model, config.data
+    trainer = config.other.get("trainer") or {}
     return [
-        f"model `{model.get('clip')}` (pretrained: {model.get('pretrained') or 'default'}), heads `{model.get('heads', 'zero_shot')}`",
-        f"tasks: {', '.join(data.get('tasks') or [])} (suite `{data.get('suite')}`)",
-        f"S = {steps} steps per task, N = {n} phases of K = {k} steps; lr {model.get('lr')}, batch {data.get('batch_size')}, "
-        f"schedule {model.get('lr_schedule')}, optimiser state {model.get('optimizer_state')}",
+        f"model `{model.clip}` (pretrained: {model.pretrained or 'none'}), heads `{model.heads}`",
+        f"tasks: {', '.join(data.tasks or [])} (suite `{data.suite}`)",
+        f"S = {model.steps} steps per task, N = {model.iterations} phases of K = {model.steps // model.iterations} steps; "
+        f"lr {model.lr}, batch {data.batch_size}, schedule {model.lr_schedule}, optimiser state {model.optimizer_state}",
         f"trainer: {trainer.get('accelerator')} x {trainer.get('devices')} device(s), {trainer.get('num_nodes', 1)} node(s), "
         f"precision {trainer.get('precision')}",
     ]
 
 
 def build_page(folder: Path, at: Path) -> Page:
-    is_sweep = (folder / "results.json").is_file() and (folder / "runs").is_dir()
-    is_run = (folder / "metrics.jsonl").is_file()
-    if not (is_sweep or is_run):
+    sweep, run = SweepFolder(folder), RunFolder(folder)
+    if not (sweep.is_sweep() or run.has_metrics()):
         raise MimaError(f"{folder}: not a sweep folder (results.json and runs/) nor a `mima fit` run folder (metrics.jsonl)")
-    if is_sweep:
-        runs = sorted((p for p in (folder / "runs").iterdir() if (p / "metrics.jsonl").is_file()),
-                      key=lambda p: (len(p.name), p.name))
+    if sweep.is_sweep():
+        runs = [r.path for r in sweep.runs()]
         page = Page(f"mima report: sweep {folder.name}")
         page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}; "
                   f"{len(runs)} runs ({', '.join(r.name for r in runs)}).")
@@ -261,14 +254,13 @@ def build_page(folder: Path, at: Path) -> Page:
         page = Page(f"mima report: run {folder.name}")
         page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}.")
         page.bullets(_run_settings(folder))
-        evaluation = folder / "evaluation"
-        if (evaluation / "results.json").is_file():
-            results_section(page, evaluation)
+        if run.evaluation.has_results():
+            results_section(page, run.evaluation.path)
         else:
             page.text("No evaluation yet: `mima evaluate RUN --out RUN/evaluation` adds the results table.")
         phase_section(page, folder)
     cosine_section(page, folder, runs)
-    analyses_section(page, [("sweep", folder)] * is_sweep + [(f"run {r.name}", r) for r in runs])
+    analyses_section(page, [("sweep", folder)] * sweep.is_sweep() + [(f"run {r.name}", r) for r in runs])
     checkpoints_section(page, runs, at)
     return page
 
@@ -278,14 +270,15 @@ def write_report(folder: Path, out: Path | None = None, overwrite: bool = False)
     if not folder.is_dir():
         raise MimaError(f"{folder}: no such folder")
     out = Path(out) if out is not None else folder
-    existing = [name for name in REPORT_FILES if (out / name).exists()]
-    if existing and not overwrite:
-        raise MimaError(f"--out {out}: already holds {', '.join(existing)}; pass --overwrite or another --out")
+    report_files = RunFolder(out).report_files()
+    if not overwrite:
+        refuse_overwrite(report_files, what=f"--out {out}")
     out.mkdir(parents=True, exist_ok=True)
     page = build_page(folder, out)
-    write_text_atomic(out / "report.md", render_markdown(page, out))
-    write_text_atomic(out / "report.html", render_html(page, out))
-    return [out / name for name in REPORT_FILES]
+    markdown_file, html_file = report_files
+    write_text_atomic(markdown_file, render_markdown(page, out))
+    write_text_atomic(html_file, render_html(page, out))
+    return report_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,28 +11,27 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-import yaml
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.evaluation.report import ModelResult, markdown_text, write_results
 from mima.merging import get_method
-from mima.merging.context import context_from_config
+from mima.pools import task_pool
 from mima.merging.selection import merge_with_defaults, select_on_validation
-from mima.run_dir import RunFolder, task_vector_cosines
-from mima.state_dicts import mean_off_diagonal
-from mima.training.plan import check_budget
+from mima.core.run_folder import RunFolder, SweepFolder
+from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
+from mima.core.plan import check_budget
+from mima.pools import task_pool
+from mima.training.run_config import load_run_config
 from mima.training.trainer import run_fit
-
-RESULT_FILES = ("results.json", "results.csv", "results.md", "selection.json")
 
 
 def run_sweep(
-    config: dict,
+    config: Mapping,
     out_dir: Path,
     iterations: Sequence[int],
     merges: Sequence[str],
@@ -42,22 +41,24 @@ def run_sweep(
     title: str = "mima sweep",
     extra: dict | None = None,
 ) -> list[ModelResult]:
-    """Fit `config` once per N in `iterations` (runs in out_dir/runs/N<n>), then `evaluate_runs`."""
+    """Fit `config` (a `mima fit` config dict) once per N in `iterations` (runs in the sweep folder's
+    runs/N<n>), then `evaluate_runs`."""
     started = time.time()
-    steps = config["model"]["steps"]
+    steps = int(load_run_config(config).model.steps)  # checked and defaulted as `mima fit` would
     for n in iterations:
         check_budget(steps, n, names=("model.steps", "iterations"))
     methods = _data_free_per_model(merges)
-    _prepare(out_dir, overwrite)
+    sweep = SweepFolder(out_dir)
+    sweep.prepare(overwrite)
     _quiet_lightning()
     print(f"{title}: S={steps} steps per task, N in {list(iterations)}")
     run_dirs = []
     for n in iterations:
         run_started = time.time()
-        run_config = copy.deepcopy(config)
-        run_config["model"]["iterations"] = n
-        run_config.setdefault("trainer", {}).update(enable_progress_bar=progress, enable_model_summary=False)
-        run_config.update(out=str(out_dir / "runs" / f"N{n}"), overwrite=True)
+        run_config = copy.deepcopy(dict(config))
+        run_config["model"] = {**run_config.get("model", {}), "iterations": n}
+        run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
+        run_config.update(out=str(sweep.run(n).path), overwrite=True)
         run_dirs.append(run_fit(run_config).run_dir)
         print(f"N={n}: trained in {time.time() - run_started:.0f} s")
     return evaluate_runs(
@@ -81,18 +82,19 @@ def evaluate_runs(
     validation split); write the results table and plots to `out_dir`."""
     started = started or time.time()
     methods = _data_free_per_model(merges)
-    _prepare(out_dir, overwrite)
+    sweep = SweepFolder(out_dir)
+    sweep.prepare(overwrite)
     runs = [RunFolder(Path(run_dir)) for run_dir in run_dirs]
-    context = context_from_config(runs[0].path)
+    config = load_run_config(runs[0])
+    pool = task_pool(config)
     if torch.cuda.is_available() and not any(method.needs_data for method in methods):
-        context.encoder.to("cuda")  # evaluation only; data-dependent merges keep the context on the CPU
+        pool.encoder.to("cuda")  # evaluation only; data-dependent merges keep the pool on the CPU
     for run in runs[1:]:
-        if run.task_order() != context.tasks:
-            raise MimaError(f"{run.path}: tasks {run.task_order()} differ from {runs[0].path}'s {context.tasks}")
-    config = yaml.safe_load((runs[0].path / "config.yaml").read_text())
-    head_kind = (config.get("model") or {}).get("heads", "zero_shot")
-    print(f"{title}: {len(context.tasks)} tasks ({', '.join(context.tasks)}); merges: {', '.join(merges)}")
-    test, val = context.evaluator("test"), context.evaluator("val")
+        if run.task_order() != pool.tasks:
+            raise MimaError(f"{run.path}: tasks {run.task_order()} differ from {runs[0].path}'s {pool.tasks}")
+    head_kind = config.model.heads
+    print(f"{title}: {len(pool.tasks)} tasks ({', '.join(pool.tasks)}); merges: {', '.join(merges)}")
+    test, val = pool.evaluator("test"), pool.evaluator("val")
     zero_shot = test.accuracy(runs[0].pretrained())
     print(f"{head_kind} heads, test accuracy at theta_0: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in zero_shot.items()))
 
@@ -104,7 +106,7 @@ def evaluate_runs(
         tasks = run.task_order()
         base = run.pretrained()
         models = [run.final(task) for task in tasks]
-        n = _iterations_of(run)
+        n = int(load_run_config(run).model.iterations)
         cos = task_vector_cosines(base, models)
         pairwise[n] = [float(cos[i, j]) for i in range(len(tasks)) for j in range(i + 1, len(tasks))]
         phases[n] = run.phase_records()
@@ -113,9 +115,9 @@ def evaluate_runs(
         results.append(ModelResult(n, "fine_tuned", fine_tuned, mean_cos_tau=mean_off_diagonal(cos)))
         for method in methods:
             if select_on_val and method.grid:
-                chosen = select_on_validation(method, models, base, val.mean_accuracy, context=context)
+                chosen = select_on_validation(method, models, base, val.mean_accuracy, pool=pool)
             else:
-                chosen = merge_with_defaults(method, models, base, context=context)
+                chosen = merge_with_defaults(method, models, base, pool=pool)
             hparams = {k: v for k, v in chosen.hparams.items() if k != "matrix_keys"}
             results.append(
                 ModelResult(n, method.name, test.accuracy(chosen.merged), hparams=hparams, validation_accuracy=chosen.score)
@@ -125,20 +127,15 @@ def evaluate_runs(
 
     seconds = round(time.time() - started, 1)
     info = {"heads": head_kind, "select_on": "val" if select_on_val else "defaults", "runs": [str(r.path) for r in runs]}
-    info.update(steps=config["model"]["steps"], **(extra or {}))
+    info.update(steps=config.model.steps, **(extra or {}))
     info["seconds_total"] = seconds
-    write_results(out_dir, results, extra=info, title=title)
-    plot_accuracy_vs_n(results, out_dir / "merged_accuracy_vs_N.png")
-    plot_cosine_vs_n(pairwise, phases, out_dir / "cosine_vs_N.png")
+    write_results(sweep, results, extra=info, title=title)
+    plot_accuracy_vs_n(results, sweep.plot_file(SweepFolder.ACCURACY_PLOT))
+    plot_cosine_vs_n(pairwise, phases, sweep.plot_file(SweepFolder.COSINE_PLOT))
     print()
     print(markdown_text(results, title=title))
     print(f"Wrote {out_dir}/results.{{json,csv,md}}, selection.json and plots in {seconds:.0f} s.")
     return results
-
-
-def _iterations_of(run: RunFolder) -> int:
-    config = yaml.safe_load((run.path / "config.yaml").read_text())
-    return int(config["model"]["iterations"])
 
 
 def _data_free_per_model(merges: Sequence[str]) -> list:
@@ -147,13 +144,6 @@ def _data_free_per_model(merges: Sequence[str]) -> list:
     if per_task:
         raise MimaError(f"--merges: '{per_task[0]}' keeps one model per task; use `mima merge` for it")
     return methods
-
-
-def _prepare(out_dir: Path, overwrite: bool) -> None:
-    existing = [name for name in RESULT_FILES if (out_dir / name).exists()]
-    if existing and not overwrite:
-        raise MimaError(f"--out {out_dir}: already holds results ({', '.join(existing)}); pass --overwrite or another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _quiet_lightning() -> None:

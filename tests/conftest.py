@@ -9,7 +9,7 @@ import open_clip
 import pytest
 import torch
 
-from mima.safetensors_io import save_state_dict
+from mima.core.safetensors_io import save_state_dict
 
 # A small CLIP with the digits suite's 16x16 input. The text tower keeps open_clip's BPE vocabulary
 # (so the real tokenizer works) but is otherwise tiny.

@@ -6,7 +6,8 @@
 #   - SLURM and munge (Debian's slurm-wlm), for the tests that submit jobs to a real cluster.
 # pip installs into $PYTHON (default: .venv/bin/python, as the README's commands create it).
 # apt-get runs only in a root shell on a Debian-like system; otherwise the script says what is
-# missing, and the tests that need it skip with that reason.
+# missing, and the tests that need it skip with that reason, or fail under CI (MIMA_CI=1 or CI=true,
+# see tests/ci_mode.py).
 set -euo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
 [[ -x $PYTHON ]] || PYTHON=python3
@@ -29,5 +30,11 @@ elif [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
 else
-  echo "setup_assets: cannot install ${apt_packages[*]} here (needs root and apt-get); the tests that need them will skip"
+  mima_ci=${MIMA_CI:-} ci=${CI:-}
+  if [[ ${mima_ci,,} =~ ^(1|true|yes)$ || ${ci,,} =~ ^(1|true)$ ]]; then  # as tests/ci_mode.py decides
+    outcome="fail (CI: MIMA_CI=1 or CI=true)"
+  else
+    outcome="skip"
+  fi
+  echo "setup_assets: cannot install ${apt_packages[*]} here (needs root and apt-get); the tests that need them will $outcome" >&2
 fi

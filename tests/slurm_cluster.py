@@ -17,12 +17,13 @@ BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "s
 
 
 def missing_requirement() -> str | None:
-    """Why a SLURM cluster cannot be started here, or None."""
+    """Why a SLURM cluster cannot be started here, or None (the tests skip with it, or fail under CI)."""
     absent = [name for name in BINARIES if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
     if absent:
-        return f"SLURM is not installed ({', '.join(absent)} missing; `bash tests/setup_assets.sh` installs it as root)"
+        return (f"SLURM is not installed ({', '.join(absent)} missing); "
+                "`bash tests/setup_assets.sh` installs slurm-wlm and munge, as root")
     if os.geteuid() != 0:
-        return "starting slurmd needs root"
+        return f"starting slurmctld, slurmd and munged for the test cluster needs root (running as uid {os.geteuid()})"
     return None
 
 

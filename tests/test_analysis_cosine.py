@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from mima.analysis.cosine import analyse, heatmap_phases, off_diagonal
+from mima.analysis.cosine.command import analyse
+from mima.analysis.cosine.compute import heatmap_phases, off_diagonal
 from mima.cli import main
 from mima.models.clip import load_clip
-from mima.run_dir import RunFolder
+from mima.core.run_folder import RunFolder
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from mima.analysis.ctl import (
+from mima.analysis.ctl.compute import (
     OUTPUT,
     capture_features,
     cross_task_linearity,
     task_arithmetic_linearity,
 )
 from mima.cli import main
-from mima.merging.context import context_from_config
-from mima.run_dir import RunFolder
+from mima.pools import task_pool
+from mima.core.run_folder import RunFolder
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -140,7 +140,7 @@ def test_a_timm_resnet_tower_is_measured_at_its_stages_with_batchnorm_statistics
 
     import open_clip
 
-    from mima.analysis.ctl import tower_layers
+    from mima.analysis.ctl.compute import tower_layers
     from tests.conftest import BATCHNORM_CLIP_CFG
 
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def test_ctl_on_an_open_clip_run_has_one_entry_per_resblock_and_matches_plain_fo
     assert "transformer.resblocks.1" in capsys.readouterr().out
 
     # the tower output again, with load_state_dict and plain forward passes instead of hooks
-    context = context_from_config(fitted_run)
+    context = task_pool(fitted_run)
     run = RunFolder(fitted_run)
     a, b = run.final("rot90"), run.final("rot180")
     images = torch.cat([
@@ -206,7 +206,7 @@ def test_ctl_on_an_open_clip_run_has_one_entry_per_resblock_and_matches_plain_fo
 
 
 def _subset_indices(size: int, count: int, seed: int) -> list[int]:
-    """The indices common.fixed_subset draws, written out again."""
+    """The indices mima.core.subsets.fixed_subset draws, written out again."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:count]
     return sorted(order.tolist())
 

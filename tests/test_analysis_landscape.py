@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mima.analysis.common import fixed_subset
-from mima.analysis.landscape import (
+from mima.analysis.landscape.compute import (
     compute_landscape,
     error_function,
     grid_errors,
@@ -19,10 +18,11 @@ from mima.analysis.landscape import (
     plane_point,
 )
 from mima.cli import main
-from mima.errors import MimaError
-from mima.merging.context import context_from_config
+from mima.core.errors import MimaError
+from mima.core.subsets import fixed_subset
+from mima.pools import task_pool
 from mima.models.classifier import classify
-from mima.run_dir import RunFolder
+from mima.core.run_folder import RunFolder
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -48,7 +48,7 @@ def models(run):
 
 @pytest.fixture(scope="module")
 def context(run):
-    return context_from_config(run)
+    return task_pool(run)
 
 
 def _flat(state_dict, keys) -> torch.Tensor:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mima.analysis.rank_sweep import accuracy_curve, layer_metrics, rank_sweep
+from mima.analysis.rank_sweep.compute import accuracy_curve, layer_metrics, rank_sweep
 from mima.cli import main
-from mima.merging.context import context_from_config
+from mima.pools import task_pool
 from mima.merging.registry import get_method
 from mima.models.classifier import classify
-from mima.run_dir import RunFolder
-from mima.state_dicts import mean_state_dict
+from mima.core.run_folder import RunFolder
+from mima.core.state_dicts import mean_state_dict
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -165,10 +165,10 @@ def test_accuracy_curve_endpoints_on_a_real_run(run):
     folder = RunFolder(run)
     models = [folder.final(task) for task in ("rot90", "mirror")]
     base = folder.path / "pretrained.safetensors"
-    from mima.safetensors_io import load_state_dict
+    from mima.core.safetensors_io import load_state_dict
 
     base = load_state_dict(base)
-    context = context_from_config(run)
+    context = task_pool(run)
     sweep = rank_sweep(models, base, ratios=[0.0, 0.25, 1.0], ranks=[0, 4, 32])
     average = mean_state_dict(models)
     assert _close(sweep.state_dict("centered", 0.0), average) and _close(sweep.state_dict("centered", 1.0), average)

@@ -16,7 +16,7 @@ KNOWN = f"known: {', '.join(sorted(MERGE_METHODS))}"
 from mima.data import digits
 from mima.evaluation.accuracy import TaskEvaluator
 from mima.models.heads import zero_shot_head
-from mima.safetensors_io import load_state_dict, read_metadata, save_state_dict
+from mima.core.safetensors_io import load_state_dict, read_metadata, save_state_dict
 from tests.conftest import fit_config
 
 
@@ -200,11 +200,3 @@ def test_merge_rejects_a_truncated_safetensors_file(checkpoints, tmp_path, capsy
     code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], truncated, "--output", out], capsys)
     _assert_one_line_error(code, err, "truncated.safetensors: truncated")
     assert not out.exists() and not list(tmp_path.glob(".out.safetensors*"))
-
-
-def test_every_hyperparameter_has_a_flag():
-    from mima.merging.command import FLAG_TYPES
-    from mima.merging.registry import HYPERPARAMETERS
-
-    assert set(FLAG_TYPES) == set(HYPERPARAMETERS)
-    assert all(set(method.defaults) <= set(HYPERPARAMETERS) for method in MERGE_METHODS.values())

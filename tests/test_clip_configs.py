@@ -23,7 +23,7 @@ import yaml
 
 from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
 from mima.models.heads import task_heads
-from mima.training.plan import check_budget
+from mima.core.plan import check_budget
 from mima.training.trainer import build_cli
 
 REPO = Path(__file__).resolve().parents[1]

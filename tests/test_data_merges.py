@@ -16,26 +16,26 @@ from torch import nn
 
 from mima.cli import main
 from mima.convert import convert_checkpoint
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 from mima.merging import get_method
-from mima.merging.context import build_context
+from mima.pools import task_pool
 from mima.merging.fisher import diagonal_fisher
 from mima.merging.fw_merging import CANDIDATE_INITIAL
-from mima.safetensors_io import load_state_dict, save_state_dict
+from mima.core.safetensors_io import load_state_dict, save_state_dict
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "mirror"]
 
 
 @pytest.fixture(scope="module")
-def context(small_clip):
-    return build_context(small_clip, None, "digits", TASKS)
+def pool(small_clip):
+    return task_pool({"model": {"clip": small_clip, "pretrained": None}, "data": {"suite": "digits", "tasks": TASKS}})
 
 
 @pytest.fixture(scope="module")
-def task_models(context):
+def task_models(pool):
     """theta_0 and two perturbed copies standing in for fine-tuned task models."""
-    base = {k: v.detach().clone() for k, v in context.encoder.state_dict().items()}
+    base = {k: v.detach().clone() for k, v in pool.encoder.state_dict().items()}
     models = []
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
@@ -43,43 +43,38 @@ def task_models(context):
     return base, models
 
 
-def test_adamerging_lowers_the_prediction_entropy(context, task_models):
+def test_adamerging_lowers_the_prediction_entropy(pool, task_models):
     base, models = task_models
     for granularity in ("task", "layer"):
-        get_method("adamerging")(models, base, context=context, granularity=granularity, steps=25, lr=0.01)
-        note = context.notes["adamerging"]
+        note = get_method("adamerging").merge(models, base, pool=pool, granularity=granularity, steps=25, lr=0.01).notes
         assert note["entropy_after"] < note["entropy_before"], note
         coefficients = np.array(note["coefficients"])
         assert coefficients.shape[1] == 2 and coefficients.min() >= 0 and coefficients.max() <= 1
 
 
-def _independent_gradient(context, weights: dict, examples: int) -> dict[str, torch.Tensor]:
+def _independent_gradient(pool, clip: str, weights: dict, examples: int) -> dict[str, torch.Tensor]:
     """Cross-entropy gradient with a real module holding `weights` (not functional_call)."""
-    encoder = open_clip.create_model(context_clip(context)).visual
+    encoder = open_clip.create_model(clip).visual
     encoder.load_state_dict(weights)
     total = {n: torch.zeros_like(p) for n, p in encoder.named_parameters()}
-    for task in context.tasks:
+    for task in pool.tasks:
         encoder.zero_grad()
         loss = 0
-        for images, labels in context.examples(task, "train", examples):
+        for images, labels in pool.examples(task, "train", examples):
             features = F.normalize(encoder(images), dim=-1)
-            loss = loss + F.cross_entropy(features @ context.heads[task].T, labels, reduction="sum")
-        (loss / (examples * len(context.tasks))).backward()
+            loss = loss + F.cross_entropy(features @ pool.heads[task].T, labels, reduction="sum")
+        (loss / (examples * len(pool.tasks))).backward()
         for n, p in encoder.named_parameters():
             total[n] += p.grad
     return total
 
 
-def context_clip(context) -> str:
-    return context.clip_name
-
-
-def test_fw_hard_first_step_goes_to_the_vertex_most_aligned_with_the_negative_gradient(context, task_models, small_clip):
+def test_fw_hard_first_step_goes_to_the_vertex_most_aligned_with_the_negative_gradient(pool, task_models, small_clip):
     base, models = task_models
-    context.clip_name = small_clip
-    merged = get_method("fw_merging")(models, base, context=context, iterations=1, start="pretrained", examples=8,
-                                      step_size=0.5, lam=1.0)
-    gradient = _independent_gradient(context, base, 8)
+    output = get_method("fw_merging").merge(models, base, pool=pool, iterations=1, start="pretrained", examples=8,
+                                            step_size=0.5, lam=1.0)
+    merged = output.state
+    gradient = _independent_gradient(pool, small_clip, base, 8)
     vertices = [*models, base]  # the initial merge is theta_0 here
 
     def cosine(a: np.ndarray, b: np.ndarray) -> float:  # 0 against a zero vector (theta_0 has zero biases)
@@ -88,22 +83,22 @@ def test_fw_hard_first_step_goes_to_the_vertex_most_aligned_with_the_negative_gr
 
     scores = [sum(cosine(g.numpy(), v[k].float().numpy()) for k, g in gradient.items()) for v in vertices]
     pick = int(np.argmin(scores))
-    assert context.notes["fw_merging"]["steps"][0]["vertex"] == [*TASKS, CANDIDATE_INITIAL][pick]
+    assert output.notes["steps"][0]["vertex"] == [*TASKS, CANDIDATE_INITIAL][pick]
     gamma = 2.0 / 2 * 0.5 * 1.0  # 2 / (t + 2) * step_size * lam at t = 0
     for key in gradient:
         expected = base[key] + gamma * (vertices[pick][key] - base[key])
         torch.testing.assert_close(merged[key], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_diagonal_fisher_equals_the_expectation_over_classes(context, task_models):
+def test_diagonal_fisher_equals_the_expectation_over_classes(pool, task_models):
     base, models = task_models
     keys = ["proj", "ln_post.weight"]
-    fisher = diagonal_fisher(context, models[0], keys, "rot90", examples=3)
+    fisher = diagonal_fisher(pool, models[0], keys, "rot90", examples=3)
     params = {k: models[0][k].float() for k in keys}
     expected = {k: torch.zeros_like(v) for k, v in params.items()}
-    for images, _ in context.examples("rot90", "train", 3, batch_size=1):
+    for images, _ in pool.examples("rot90", "train", 3, batch_size=1):
         def log_probs(p):
-            return context.logits({**models[0], **p}, "rot90", images).log_softmax(dim=1)[0]
+            return pool.logits({**models[0], **p}, "rot90", images).log_softmax(dim=1)[0]
         jacobian = torch.func.jacrev(log_probs)(params)  # [classes, *param]
         probs = log_probs(params).exp().detach()
         for k in keys:
@@ -112,10 +107,10 @@ def test_diagonal_fisher_equals_the_expectation_over_classes(context, task_model
         torch.testing.assert_close(fisher[k], expected[k] / 3, rtol=1e-4, atol=1e-9)
 
 
-def test_regmean_merges_the_linear_layers_that_run_and_averages_the_rest(context, task_models):
+def test_regmean_merges_the_linear_layers_that_run_and_averages_the_rest(pool, task_models):
     base, models = task_models
-    merged = get_method("regmean")(models, base, context=context, examples=16)
-    layers = context.notes["regmean"]["linear_layers"]
+    output = get_method("regmean").merge(models, base, pool=pool, examples=16)
+    merged, layers = output.state, output.notes["linear_layers"]
     assert layers and all(name.endswith(("mlp.c_fc.weight", "mlp.c_proj.weight")) for name in layers)
     for key in ("proj", "transformer.resblocks.0.attn.in_proj_weight", "transformer.resblocks.0.mlp.c_fc.bias"):
         torch.testing.assert_close(merged[key], (models[0][key] + models[1][key]) / 2)
@@ -142,6 +137,8 @@ def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_cl
     assert len(tall["hparams"]["mask_lam"]) == 2  # one lambda per task
     assert main(["merge", "--method", "fisher", "--models", str(run), "--output", str(tmp_path / "f.safetensors"),
                  "--examples", "4"]) == 0
+    fisher = json.loads((tmp_path / "f.safetensors.results.json").read_text())
+    assert fisher["hparams"] == {"examples": 4} and set(fisher["notes"]["fisher_norms"]) == set(TASKS)
     capsys.readouterr()
     code = main(["merge", "--method", "adamerging", "--models", str(tmp_path / "f.safetensors"), "--base",
                  str(run / "pretrained.safetensors"), "--output", str(tmp_path / "a.safetensors")])

@@ -8,9 +8,9 @@ import pytest
 from mima.cli import main
 from mima.demo import DEMO_MERGES
 from mima.merging import get_method
-from mima.merging.context import context_from_config
+from mima.pools import task_pool
 from mima.merging.selection import select_on_validation
-from mima.run_dir import RunFolder
+from mima.core.run_folder import RunFolder
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,14 @@ def test_demo_shows_the_mima_effect(demo):
 @pytest.mark.slow
 def test_adamerging_lowers_entropy_and_beats_task_arithmetic_on_the_demo_tasks(demo):
     run = RunFolder(demo / "runs" / "N1")
-    context = context_from_config(run.path)
+    pool = task_pool(run.path)
     base, models = run.pretrained(), [run.final(task) for task in run.task_order()]
-    test = context.evaluator("test")
-    task_arithmetic = select_on_validation(get_method("task_arithmetic"), models, base, context.evaluator("val").mean_accuracy)
-    adamerged = get_method("adamerging")(models, base, context=context)
-    note = context.notes["adamerging"]
+    test = pool.evaluator("test")
+    task_arithmetic = select_on_validation(get_method("task_arithmetic"), models, base, pool.evaluator("val").mean_accuracy)
+    adamerged = get_method("adamerging").merge(models, base, pool=pool)
+    note = adamerged.notes
     assert note["entropy_after"] < note["entropy_before"]
-    assert test.mean_accuracy(adamerged) >= test.mean_accuracy(task_arithmetic.merged)
+    assert test.mean_accuracy(adamerged.state) >= test.mean_accuracy(task_arithmetic.merged)
 
 
 @pytest.mark.slow

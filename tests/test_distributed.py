@@ -18,8 +18,10 @@ import torch
 import yaml
 
 from mima.cli import main
-from mima.safetensors_io import load_state_dict
-from mima.training.checkpointing import CHECKPOINTS, LAST, META, read_meta
+from mima.core.safetensors_io import load_state_dict
+from mima.training.checkpointing import LAST, META, read_meta
+
+CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
 
 REPO = Path(__file__).resolve().parents[1]
 TWO = ["rot90", "mirror"]

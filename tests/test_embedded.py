@@ -53,6 +53,12 @@ def test_splits_are_disjoint_and_follow_the_validation_rule():
     assert len(sets["val"]) == int(0.1 * (len(sets["train"]) + len(sets["val"])))
 
 
-def test_configs_demo_yaml_is_the_demo_setting_with_n_4():
+def test_the_demo_runs_configs_demo_yaml_and_scales_the_warmup_with_steps():
     shipped = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    assert shipped == demo_config(iterations=4)
+    config = demo_config()
+    for section in ("model", "data"):
+        for key, value in shipped[section].items():  # every value written in the file reaches the runs
+            assert config[section][key] == value, (section, key)
+    assert config["trainer"] == shipped["trainer"] and config["threads_per_process"] == shipped["threads_per_process"]
+    scaled = demo_config(steps=160, lr_schedule="cosine")["model"]
+    assert (scaled["steps"], scaled["warmup_steps"], scaled["lr_schedule"]) == (160, 16, "cosine")

@@ -8,9 +8,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from mima.cli import main
-from mima.merging.context import context_from_config
+from mima.pools import task_pool
 from mima.models.classifier import classify
-from mima.run_dir import RunFolder
+from mima.core.run_folder import RunFolder
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -40,7 +40,7 @@ def test_evaluate_two_runs_matches_a_hand_computed_uniform_merge(tmp_path, small
     }
     assert (out / "results.md").is_file() and (out / "merged_accuracy_vs_N.png").stat().st_size > 0
 
-    context = context_from_config(runs[1])
+    context = task_pool(runs[1])
     run = RunFolder(runs[1])
     models = [run.final(task) for task in TASKS]
     mean = {key: (models[0][key].double() + models[1][key].double()).div(2).to(models[0][key].dtype) for key in models[0]}

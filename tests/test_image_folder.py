@@ -19,11 +19,11 @@ from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.image_folder import DEFAULT_TEMPLATES, TEST_FRACTION, FolderTask, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS
 from mima.data.tasks import LoadOptions
-from mima.errors import MimaError
-from mima.merging.context import context_from_config
+from mima.core.errors import MimaError
+from mima.pools import task_pool
 from mima.models.clip import load_clip
 from mima.models.heads import zero_shot_head
-from mima.safetensors_io import load_state_dict
+from mima.core.safetensors_io import load_state_dict
 
 STRIPES = ("checkerboard", "horizontal_stripes", "vertical_stripes")  # sorted, as the folders are read
 SHADES = ("bright", "dark", "medium")
@@ -184,7 +184,7 @@ def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     assert [task["name"] for task in saved["custom_tasks"]] == ["stripes", "shades"]
 
     # the final task model, judged on the run's own config (mima.merging.context)
-    context = context_from_config(run)
+    context = task_pool(run)
     assert context.tasks == ["stripes", "shades"]
     tuned = load_state_dict(run / "final" / "stripes.safetensors")
     measured = context.evaluator("test").accuracy(tuned, ["stripes"])["stripes"]

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
 
+from mima.core.errors import MimaError
+from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import get_method
 from mima.merging.breadcrumbs import breadcrumb_mask
 from mima.merging.dare import dare
 from mima.merging.engine import merge_to_file, open_inputs
 from mima.merging.regmean import regmean_weight
 from mima.merging.tall import pack, unpack
-from mima.safetensors_io import load_state_dict, save_state_dict
 
 MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 
@@ -48,6 +51,57 @@ def test_dare_drops_and_rescales_reproducibly():
     assert not torch.equal(dropped, dare(tau, 0.3, seed=4, task=2, key="w"))
 
 
+def _reference_keep(seed: int, task: int, key: str, shape, drop: float) -> np.ndarray:
+    """DARE's documented mask, written again: Bernoulli keep masks from torch.rand seeded by
+    sha256('dare/<seed>/<task>/<key>') (first 8 bytes, little endian, 63 bits)."""
+    digest = hashlib.sha256(f"dare/{seed}/{task}/{key}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return (torch.rand(tuple(shape), generator=generator) >= drop).numpy()
+
+
+def _dropped(base, models, key, drop, seed) -> np.ndarray:
+    """[T, ...] task vectors (float32 as the code subtracts) with DARE's drop and rescale applied."""
+    taus = np.stack([m[key].numpy() - base[key].numpy() for m in models])
+    keeps = np.stack([_reference_keep(seed, t, key, base[key].shape, drop) for t in range(len(models))])
+    return taus.astype(np.float64) * keeps / (1 - drop)
+
+
+@pytest.mark.parametrize("drop, seed", [(0.3, 4), (0.3, 5), (0.8, 0)])
+def test_dare_task_arithmetic_with_drop_matches_an_independent_reimplementation(drop, seed):
+    base, models = _models(3, seed=11)
+    merged = get_method("dare_task_arithmetic")(models, base, lam=0.7, drop=drop, seed=seed)
+    for key in (MATRIX, "ln.weight", "proj"):
+        expected = base[key].numpy() + 0.7 * _dropped(base, models, key, drop, seed).sum(0)
+        np.testing.assert_allclose(merged[key].numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert int(merged["counter"]) == 7
+
+
+def test_dare_ties_with_drop_is_numpy_ties_on_the_dropped_vectors():
+    base, models = _models(3, seed=12)
+    merged = get_method("dare_ties")(models, base, lam=1.3, drop=0.4, seed=2, k=30)
+    keys = (MATRIX, "ln.weight", "proj")
+    expected = _numpy_ties({key: _dropped(base, models, key, 0.4, 2) for key in keys}, k=30)
+    for key in keys:
+        np.testing.assert_allclose(merged[key].numpy(), base[key].numpy() + 1.3 * expected[key], rtol=1e-5, atol=1e-5)
+
+
+def _numpy_ties(taus: dict[str, np.ndarray], k: float) -> dict[str, np.ndarray]:
+    """The official TIES written again: global top-k% trim (|tau| >= the kth smallest, kth = n - int(n k / 100)),
+    sign of the trimmed sum (zero: the model-wide majority), mean of the agreeing non-zero entries."""
+    flat = [np.concatenate([taus[key][t].ravel() for key in taus]) for t in range(len(next(iter(taus.values()))))]
+    kth = flat[0].size - int(flat[0].size * k / 100)
+    thresholds = [np.sort(np.abs(f))[kth - 1] for f in flat]
+    trimmed = {key: np.stack([v[t] * (np.abs(v[t]) >= thresholds[t]) for t in range(len(v))]) for key, v in taus.items()}
+    majority = np.sign(sum(np.sign(v.sum(0)).sum() for v in trimmed.values()))
+    merged = {}
+    for key, v in trimmed.items():
+        sign = np.sign(v.sum(0))
+        sign[sign == 0] = majority
+        agree = np.where(sign > 0, v > 0, v < 0)
+        merged[key] = (v * agree).sum(0) / np.maximum((v * agree != 0).sum(0), 1)
+    return merged
+
+
 # --------------------------------------------------------------------------- breadcrumbs
 def test_breadcrumb_mask_hand_worked():
     # width 5: gamma 0.2 removes int(1.0) = 1 largest (5), density 0.4 keeps the next int(2.0) = 2 (4 and -3)
@@ -59,13 +113,26 @@ def test_breadcrumb_mask_hand_worked():
     assert bool(breadcrumb_mask(torch.tensor(3.0), 0.1, 0.5))
 
 
+def _numpy_breadcrumbs(tau: np.ndarray, density: float, gamma: float) -> np.ndarray:
+    """Per row (last dimension): drop the int(n gamma) largest magnitudes, keep the next int(n density)
+    (earlier position first among equal magnitudes), zero the rest."""
+    rows = tau.reshape(-1, tau.shape[-1])
+    width = rows.shape[1]
+    top, keep = int(width * gamma), int(width * density)
+    kept = np.zeros_like(rows)
+    for r, row in enumerate(rows):
+        order = np.argsort(-np.abs(row), kind="stable")
+        kept[r, order[top : top + keep]] = row[order[top : top + keep]]
+    return kept.reshape(tau.shape)
+
+
 def test_breadcrumbs_merge_formula():
     base, models = _models(2, seed=2)
     merged = get_method("breadcrumbs")(models, base, lam=0.5, density=0.5, gamma=0.25)
-    for key in (MATRIX, "ln.weight", "proj"):
-        taus = [m[key] - base[key] for m in models]
-        expected = base[key] + 0.5 * sum(t * breadcrumb_mask(t, 0.5, 0.25) for t in taus)
-        torch.testing.assert_close(merged[key], expected)
+    for key in (MATRIX, "ln.weight", "proj"):  # widths 8, 8, 4: drop the top 2, 2, 1 and keep 4, 4, 2 per row
+        taus = [m[key].numpy() - base[key].numpy() for m in models]
+        expected = base[key].numpy() + 0.5 * sum(_numpy_breadcrumbs(t, 0.5, 0.25) for t in taus)
+        np.testing.assert_allclose(merged[key].numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- consensus
@@ -175,19 +242,69 @@ def test_regmean_weight_is_the_least_squares_fit_of_all_models_outputs():
 
 
 # ------------------------------------------------------------------------------ streaming
+def _numpy_cart(models, key, ratio=0.08, lam=1.0):
+    stacked = np.stack([m[key].double().numpy() for m in models])
+    average = stacked.mean(0)
+    if key != MATRIX:  # only attention/MLP weights are low-rank; the rest is the average
+        return average
+    rank = max(1, int(np.floor(ratio * min(average.shape))))
+    total = 0
+    for t in stacked:
+        u, s, vh = np.linalg.svd(t - average, full_matrices=False)
+        total = total + (u[:, :rank] * s[:rank]) @ vh[:rank]
+    return average + lam * total
+
+
+def _numpy_defaults(name: str, base, models) -> dict[str, np.ndarray]:
+    """Each streamable strategy at its documented defaults, written again with numpy."""
+    keys = (MATRIX, "ln.weight", "proj")
+    b = {key: base[key].double().numpy() for key in keys}
+    taus = {key: np.stack([m[key].numpy() - base[key].numpy() for m in models]).astype(np.float64) for key in keys}
+    if name == "uniform":
+        return {key: np.mean([m[key].double().numpy() for m in models], axis=0) for key in keys}
+    if name == "task_arithmetic":  # lam 0.4
+        return {key: b[key] + 0.4 * taus[key].sum(0) for key in keys}
+    if name == "ties":  # lam 1, k 20, global trim
+        merged = _numpy_ties(taus, k=20)
+        return {key: b[key] + merged[key] for key in keys}
+    if name == "dare_ties":  # drop 0.5, seed 0, then ties at lam 1, k 20
+        merged = _numpy_ties({key: _dropped(base, models, key, 0.5, 0) for key in keys}, k=20)
+        return {key: b[key] + merged[key] for key in keys}
+    if name == "cart":  # rank 8%, lam 1
+        return {key: _numpy_cart(models, key) for key in keys}
+    if name == "breadcrumbs":  # density 0.15, gamma 0.006, lam 0.2
+        return {key: b[key] + 0.2 * sum(_numpy_breadcrumbs(t, 0.15, 0.006) for t in taus[key]) for key in keys}
+    if name == "consensus":  # mask_lam 0.4, min_tasks 2, lam 0.4
+        out = {}
+        for key in keys:
+            masks, total = _numpy_masks(base, models, key, 0.4)
+            out[key] = b[key] + 0.4 * total * (masks.sum(0) >= 2)
+        return out
+    if name == "tsv":  # lam 1; every 2-D tensor gets TSV, others the mean task vector
+        return {key: b[key] + (_numpy_tsv(list(taus[key])) if taus[key].ndim == 3 else taus[key].mean(0)) for key in keys}
+    raise KeyError(name)
+
+
 @pytest.mark.parametrize("name", ["uniform", "task_arithmetic", "ties", "cart", "dare_ties", "breadcrumbs", "consensus", "tsv"])
-def test_streamed_file_merge_equals_the_in_memory_merge(tmp_path, name):
+def test_streamed_file_merge_matches_the_formula(tmp_path, name):
     base, models = _models(3, seed=10)
     save_state_dict(tmp_path / "base.safetensors", base)
     paths = []
     for index, model in enumerate(models):
         paths.append(tmp_path / f"m{index}.safetensors")
         save_state_dict(paths[-1], model)
-    method = get_method(name)
     with open_inputs(paths, tmp_path / "base.safetensors") as inputs:
-        merge_to_file(method, inputs, tmp_path / "out.safetensors", {}, {"method": name})
+        merge_to_file(get_method(name), inputs, tmp_path / "out.safetensors", {}, {"method": name})
     streamed = load_state_dict(tmp_path / "out.safetensors")
-    in_memory = method(models, base)
-    assert set(streamed) == set(in_memory)
-    for key in in_memory:
-        torch.testing.assert_close(streamed[key], in_memory[key], rtol=0, atol=0)
+    assert set(streamed) == set(base)  # every key
+    for key, expected in _numpy_defaults(name, base, models).items():
+        assert streamed[key].dtype == base[key].dtype
+        np.testing.assert_allclose(streamed[key].numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=key)
+    assert int(streamed["counter"]) == 7
+
+
+def test_consensus_and_tall_check_the_number_of_mask_lambdas():
+    base, models = _models(3, seed=13)
+    for name in ("consensus", "tall"):
+        with pytest.raises(MimaError, match="mask_lam: 2 values for 3 tasks"):
+            get_method(name)(models, base, mask_lam=[0.2, 0.4])

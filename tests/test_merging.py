@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from mima.errors import MimaError
-from mima.merging import MERGE_METHODS, get_method
+from mima.core.errors import MimaError
+from mima.merging import HYPERPARAMETERS, MERGE_METHODS, MergeMethod, get_method
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank
+from mima.merging.registry import register
 from mima.merging.selection import merge_with_defaults, select_on_validation
 
 
@@ -24,12 +25,6 @@ def _models(count: int, seed: int = 0, scale: float = 1.0):
     for _ in range(count):
         models.append({k: (v + scale * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone() for k, v in base.items()})
     return base, models
-
-
-def test_registry_has_the_four_foundation_strategies():
-    assert {"uniform", "task_arithmetic", "ties", "cart"} <= set(MERGE_METHODS)
-    for method in MERGE_METHODS.values():
-        assert method.paper.startswith("https://arxiv.org/abs/")
 
 
 def test_uniform_is_the_mean():
@@ -174,6 +169,43 @@ def test_registry_errors_are_clear():
         get_method("task_arithmetic")(models, None)
 
 
+def test_every_default_and_grid_value_passes_its_own_check():
+    for method in MERGE_METHODS.values():
+        assert set(method.defaults) <= set(HYPERPARAMETERS), method.name
+        for name, value in method.defaults.items():
+            assert HYPERPARAMETERS[name].accepts(value), (method.name, name, value)
+        for name, values in method.grid.items():
+            assert all(HYPERPARAMETERS[name].accepts(v) for v in values), (method.name, name)
+            method.hyperparameters({name: values[0]})  # a grid point is a valid setting
+
+
+# Values that break each kind of check: every hyperparameter must reject at least one of them.
+WRONG = [float("nan"), float("inf"), -1, -0.5, 0, 1.5, 120.0, True, "bogus", "(", [], [-1.0], None]
+
+
+@pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
+def test_a_wrong_value_is_rejected_naming_the_option(name):
+    spec = HYPERPARAMETERS[name]
+    method = next(m for m in MERGE_METHODS.values() if name in m.defaults)
+    rejected = [value for value in WRONG if not spec.accepts(value)]
+    assert rejected, f"{name} accepts every wrong value"
+    for value in rejected:
+        with pytest.raises(MimaError) as error:
+            method.hyperparameters({name: value})
+        assert f"merge method '{method.name}': {name} must be {spec.meaning}, got {value!r}" in str(error.value)
+
+
+def test_register_refuses_undeclared_or_invalid_defaults():
+    stream = lambda models, base, **hp: iter(())  # noqa: E731
+    with pytest.raises(ValueError, match="hyperparameter colour is not declared"):
+        register(MergeMethod("x1", "", "", False, defaults={"colour": 1}, stream_fn=stream))
+    with pytest.raises(ValueError, match="default k=0 is not a percentage"):
+        register(MergeMethod("x2", "", "", False, defaults={"k": 0}, stream_fn=stream))
+    with pytest.raises(ValueError, match="grid of lam"):
+        register(MergeMethod("x3", "", "", False, defaults={"lam": 1.0}, grid={"lam": (1.0, float("nan"))}, stream_fn=stream))
+    assert not {"x1", "x2", "x3"} & set(MERGE_METHODS)
+
+
 def test_selection_keeps_the_best_grid_point_and_merges_with_it():
     base, models = _models(3, seed=5)
     method = get_method("task_arithmetic")
@@ -203,7 +235,13 @@ def test_selection_over_cart_ratios_and_lambdas():
 
 
 def test_defaults_without_validation_are_the_papers():
+    # SPEC 2.2: task arithmetic 0.4 without validation, TIES lam 1 and k 20, CART 8% of the rank
     base, models = _models(2, seed=7)
-    assert merge_with_defaults(get_method("task_arithmetic"), models, base).hparams["lam"] == 0.4
+    selection = merge_with_defaults(get_method("task_arithmetic"), models, base)
+    for key, value in base.items():
+        if value.is_floating_point():
+            expected = value.numpy() + 0.4 * sum(m[key].numpy() - value.numpy() for m in models)
+            np.testing.assert_allclose(selection.merged[key].numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert selection.hparams == {"lam": 0.4} and selection.notes == {} and selection.score is None
     assert merge_with_defaults(get_method("ties"), models, base).hparams == {"lam": 1.0, "k": 20.0, "trim": "global"}
     assert merge_with_defaults(get_method("cart"), models, base).hparams["rank_ratio"] == 0.08

@@ -5,9 +5,9 @@ import math
 import pytest
 
 from mima.data.sampler import PhaseBatchSampler, TaskStream
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 from mima.training.lr_schedule import lr_factor
-from mima.training.plan import PhasePlan, check_budget
+from mima.core.plan import PhasePlan, check_budget
 
 
 def test_positions_walk_phases_then_tasks():

@@ -26,7 +26,7 @@ from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.registry import DEFAULT_TASKS, SUITES
 from mima.data.splits import validation_size
 from mima.data.tasks import LoadOptions
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 SIZE = 8  # loader tests use the fallback transform at this size (no model)
 

@@ -2,7 +2,8 @@
 identical; sweep_n.sbatch as a job array whose elements each fit one N and evaluate it.
 
 Starts munged, slurmctld and slurmd (Debian's slurm-wlm) for the test and stops them afterwards.
-Skipped, with the reason, only where SLURM is not installed or cannot be started (not root).
+Skipped, with the reason, only where SLURM is not installed or cannot be started (not root); under
+CI (MIMA_CI=1 or CI=true) that is a failure instead (tests/ci_mode.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from mima.safetensors_io import load_state_dict
+from mima.core.safetensors_io import load_state_dict
+from tests.ci_mode import require
 from tests.slurm_cluster import missing_requirement, start_cluster
 from tests.test_distributed import job_environment
 
@@ -26,9 +28,7 @@ TASKS = ["rot90", "mirror"]
 
 
 def _cluster(folder: Path, nodes: int):
-    reason = missing_requirement()
-    if reason:
-        pytest.skip(reason)
+    require(missing_requirement())
     cluster = start_cluster(folder, cpus=2, nodes=nodes)
     yield cluster
     cluster.stop()
@@ -47,8 +47,7 @@ def slurm_two_nodes(tmp_path):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, small_clip):
     """The job's config and its uninterrupted run: the same two processes, outside SLURM."""
-    if missing_requirement():
-        pytest.skip(missing_requirement())
+    require(missing_requirement())
     folder = tmp_path_factory.mktemp("slurm-job")
     config = folder / "job.yaml"
     config.write_text(yaml.safe_dump({

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from mima.errors import MimaError
-from mima.state_dicts import check_compatible, cosine_matrix, difference, mean_off_diagonal, mean_state_dict
+from mima.core.errors import MimaError
+from mima.core.state_dicts import check_compatible, cosine_matrix, difference, mean_off_diagonal, mean_state_dict
 
 
 def _random_state(seed: int) -> dict[str, torch.Tensor]:

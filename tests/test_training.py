@@ -12,7 +12,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from mima.data.datamodule import TaskSuiteDataModule
-from mima.safetensors_io import load_state_dict, read_metadata
+from mima.core.safetensors_io import load_state_dict, read_metadata
 from mima.training.module import MimaModule
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config

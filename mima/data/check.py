@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, RealTask
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 STATUS_FOUND, STATUS_MISSING, STATUS_PARTIAL = "found", "missing", "partial"
 

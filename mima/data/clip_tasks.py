@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 from mima.data import clip_text as text
 from mima.data.image_folder import ImageFiles, class_folders, rgb_transform, scan_split, with_validation
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 BENCHMARKS: dict[str, tuple[str, ...]] = {
     "8": ("Cars", "DTD", "EuroSAT", "GTSRB", "MNIST", "RESISC45", "SUN397", "SVHN"),

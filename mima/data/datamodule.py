@@ -3,21 +3,55 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import lightning as L
 from torch.utils.data import DataLoader
 
+from mima.core.layout import TaskLayout
+from mima.core.plan import PhasePlan
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
 from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 
 # `data.suite` values that mean "no built-in tasks": the run consists of `data.custom_tasks` only.
 NO_SUITE = (None, "custom")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the data needs from the model and the process: the model's image transform, the run's
+    budget (S, N) and which tasks this process trains."""
+
+    image_size: int
+    preprocess: Callable | None
+    steps: int
+    iterations: int
+    layout: TaskLayout | None  # None: one process trains every task
+    rank: int
+
+
+@dataclass(frozen=True)
+class ProcessTasks:
+    """What the model gets back: this process's phase plan, its share of each task batch, and the
+    specs, data key, seed and settings of the run's tasks."""
+
+    plan: PhasePlan
+    layout: TaskLayout
+    shard: tuple[int, int]  # (replica index, replicas per task)
+    specs: list[TaskSpec]  # the run's tasks, in run order
+    data_key: str
+    seed: int
+    settings: dict  # the data section's values, for the run's metadata
+    train_set: Callable[[str], object]  # task name -> its training split (through the model's transform)
+
+    @property
+    def local_specs(self) -> list[TaskSpec]:
+        return [self.specs[index] for index in self.plan.local_tasks]
 
 
 class TaskSuiteDataModule(L.LightningDataModule):
@@ -63,6 +97,31 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
         check_specs(self.task_specs, root, download)  # missing benchmark files: one line, before any training
         self._loaded: dict[str, TaskData] = {}
+        self._setup: TrainingSetup | None = None
+        self._process: ProcessTasks | None = None
+
+    def connect(self, setup: TrainingSetup) -> ProcessTasks:
+        """The one exchange with the LightningModule (called from its `setup`): the data learns the
+        model's transform and the process's place in the run; the model gets its plan and tasks."""
+        layout = setup.layout or TaskLayout(len(self.task_specs), 1)
+        plan = PhasePlan(
+            tasks=tuple(self.task_names),
+            local_tasks=layout.local_tasks(setup.rank),
+            total_steps=setup.steps,
+            iterations=setup.iterations,
+        )
+        self._setup = setup
+        self._process = ProcessTasks(
+            plan=plan,
+            layout=layout,
+            shard=(layout.replica_index(setup.rank), layout.replicas),
+            specs=list(self.task_specs),
+            data_key=self.data_key,
+            seed=int(self.hparams.seed),
+            settings=dict(self.hparams),
+            train_set=lambda name: self.task_data(name, setup.image_size, setup.preprocess).train,
+        )
+        return self._process
 
     @property
     def data_key(self) -> str:
@@ -91,16 +150,17 @@ class TaskSuiteDataModule(L.LightningDataModule):
         return self._loaded[name]
 
     def train_dataloader(self) -> DataLoader:
-        module = self.trainer.lightning_module
-        plan = module.plan
-        local = [self.task_data(plan.tasks[i], module.image_size, module.preprocess).train for i in plan.local_tasks]
+        if self._process is None:
+            raise RuntimeError("TaskSuiteDataModule.connect must run (MimaModule.setup calls it) before training")
+        plan, setup = self._process.plan, self._setup
+        local = [self.task_data(plan.tasks[i], setup.image_size, setup.preprocess).train for i in plan.local_tasks]
         sampler = PhaseBatchSampler(
             plan,
             train_sizes=[len(dataset) for dataset in local],
             batch_size=self.hparams.batch_size,
             seed=self.hparams.seed,
             start_step=self.trainer.global_step,  # restored before this is called: resume where it stopped
-            shard=module.replica,
+            shard=self._process.shard,
         )
         return DataLoader(
             MultiTaskDataset(local),

@@ -39,7 +39,7 @@ from torch.utils.data import Dataset, Subset
 
 from mima.data.splits import carve_validation, holdout_split
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a photo of the {}.", "an image of a {}.")

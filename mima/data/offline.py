@@ -34,10 +34,11 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from mima.core.subsets import fixed_order
 from mima.data import digits as sklearn_digits
 from mima.data.splits import holdout_split
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 VAL_SIZE = 400
 TEST_SIZE = 1000
@@ -139,14 +140,13 @@ def digits_splits(root: str | None = None) -> RawSplits:
 
 # ------------------------------------------------------------------------------ splits
 def _fixed_subset(count: int, size: int, seed: int) -> np.ndarray:
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    return order[: min(size, count)].sort().values.numpy()
+    return fixed_order(count, seed)[: min(size, count)].sort().values.numpy()
 
 
 def suite_split_indices(num_train: int, num_test: int, split_seed: int) -> dict[str, np.ndarray]:
     """Index arrays into the official train / test splits: (train, val) disjoint, test a subset."""
     val_size = min(VAL_SIZE, num_train // 10)
-    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(split_seed)).numpy()
+    order = fixed_order(num_train, split_seed).numpy()
     return {
         "train": np.sort(order[val_size:]),
         "val": np.sort(order[:val_size]),

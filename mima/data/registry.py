@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from mima.data import clip_tasks, digits, offline, synthetic
 from mima.data.tasks import TaskSpec
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 SUITES: dict[str, dict[str, TaskSpec]] = {
     "clip": clip_tasks.TASKS,

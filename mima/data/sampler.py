@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from mima.training.plan import PhasePlan
+from mima.core.plan import PhasePlan
 
 
 def stream_seed(seed: int, task: str, epoch: int) -> int:

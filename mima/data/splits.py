@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mima.core.subsets import fixed_order
+
 VALIDATION_FRACTION = 0.1
 VALIDATION_MAX = 5000
 
@@ -15,13 +17,13 @@ def validation_size(num_train: int) -> int:
 
 def carve_validation(num_train: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (train, val) of a fixed-seed random split of a training set of `num_train` examples."""
-    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed))
+    order = fixed_order(num_train, seed)
     num_val = validation_size(num_train)
     return order[num_val:].sort().values, order[:num_val].sort().values
 
 
 def holdout_split(num_examples: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (train, test) for datasets that ship without a test split."""
-    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed))
+    order = fixed_order(num_examples, seed)
     num_test = int(round(test_fraction * num_examples))
     return order[num_test:].sort().values, order[:num_test].sort().values

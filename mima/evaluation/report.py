@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mima.safetensors_io import write_json_atomic, write_text_atomic
+from mima.core.run_folder import SweepFolder
+from mima.core.files import write_json_atomic, write_text_atomic
 
 
 @dataclass
@@ -132,10 +133,11 @@ def markdown_text(results: Sequence[ModelResult], title: str = "Results") -> str
     return "\n".join(lines) + "\n"
 
 
-def read_results(folder: Path) -> list[ModelResult]:
+def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
     """The ModelResults of a results folder (results.json, with the choices from selection.json)."""
-    rows = json.loads((folder / "results.json").read_text())
-    selection_file = folder / "selection.json"
+    sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
+    rows = json.loads(sweep.results_json.read_text())
+    selection_file = sweep.selection_json
     chosen = {}
     if selection_file.is_file():
         for entry in json.loads(selection_file.read_text()).get("selection", []):
@@ -153,14 +155,16 @@ def read_results(folder: Path) -> list[ModelResult]:
 
 
 def write_results(
-    out_dir: Path, results: Sequence[ModelResult], extra: Mapping[str, object] | None = None, title: str = "Results"
+    out_dir: Path | SweepFolder, results: Sequence[ModelResult], extra: Mapping[str, object] | None = None,
+    title: str = "Results",
 ) -> None:
-    write_json_atomic(out_dir / "results.json", results_rows(results))
-    write_text_atomic(out_dir / "results.csv", csv_text(results))
-    write_text_atomic(out_dir / "results.md", markdown_text(results, title=title))
+    sweep = out_dir if isinstance(out_dir, SweepFolder) else SweepFolder(out_dir)
+    write_json_atomic(sweep.result_file("results.json"), results_rows(results))
+    write_text_atomic(sweep.result_file("results.csv"), csv_text(results))
+    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title))
     selection = [
         {"N": r.N, "model": r.model, "hparams": r.hparams, "validation_accuracy": r.validation_accuracy}
         for r in results
         if r.hparams or r.validation_accuracy is not None
     ]
-    write_json_atomic(out_dir / "selection.json", {"selection": selection, **(extra or {})})
+    write_json_atomic(sweep.result_file("selection.json"), {"selection": selection, **(extra or {})})

@@ -1,7 +1,11 @@
 """Merge strategies over state dicts, one module each, registered by name.
 
     from mima.merging import get_method
-    merged = get_method("ties")(models, base, lam=1.0)
+    merged = get_method("ties")(models, base, lam=1.0)                  # a state dict
+    output = get_method("adamerging").merge(models, base, pool=pool)     # MergeOutput(state, notes)
+
+Modules here import only mima.core and mima.merging; data-dependent strategies are given a task pool
+(mima.pools.TaskPool, or any object of the shape mima.merging.pool.Pool).
 """
 
 from mima.merging import (  # noqa: F401  (registration)
@@ -20,6 +24,7 @@ from mima.merging import (  # noqa: F401  (registration)
     tsv,
     uniform,
 )
-from mima.merging.registry import MERGE_METHODS, MergeMethod, get_method
+from mima.merging.pool import Pool
+from mima.merging.registry import HYPERPARAMETERS, MERGE_METHODS, Hyperparameter, MergeMethod, MergeOutput, get_method
 
-__all__ = ["MERGE_METHODS", "MergeMethod", "get_method"]
+__all__ = ["HYPERPARAMETERS", "MERGE_METHODS", "Hyperparameter", "MergeMethod", "MergeOutput", "Pool", "get_method"]

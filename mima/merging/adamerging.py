@@ -14,7 +14,9 @@ theta = theta_avg + sum_t lam_t^l SVD_r(theta_t - theta_avg), coefficients start
 lam = 1 and clamped to [0, 3] (the range of CART's lam grid); tensors that are not low-rank matrices
 use their full centered difference.
 
-All T task vectors are held in memory (the optimisation needs them at every step).
+All T task vectors are held in memory (the optimisation needs them at every step). The notes
+returned with the merge: the summed entropy on a fixed probe (2 batches per task) before and after,
+and the learnt coefficients (rows: the tensors listed in `layers`, or one row task-wise; columns: tasks).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix, low_rank
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.core.linalg import low_rank
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.pool import Pool
+from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
 from mima.merging.uniform import mean_tensor
 
 BATCH_SIZE, BATCHES_PER_TASK = 16, 2
@@ -44,15 +48,15 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean()
 
 
-def _unlabelled(context, split: str, seed: int) -> dict[str, Iterator]:
+def _unlabelled(pool: Pool, split: str, seed: int) -> dict[str, Iterator]:
     def cycle(task: str):
         epoch = 0
         while True:
-            for images, _ in context.loader(task, split, BATCH_SIZE, shuffle=True, seed=seed + epoch):
+            for images, _ in pool.loader(task, split, BATCH_SIZE, shuffle=True, seed=seed + epoch):
                 yield images
             epoch += 1
 
-    return {task: cycle(task) for task in context.tasks}
+    return {task: cycle(task) for task in pool.tasks}
 
 
 def combine_weights(anchor, vectors, coefficients, keys) -> dict[str, torch.Tensor]:
@@ -64,40 +68,44 @@ def combine_weights(anchor, vectors, coefficients, keys) -> dict[str, torch.Tens
     return weights
 
 
-def total_entropy(context, anchor, vectors, coefficients, keys, batches: dict[str, list]) -> torch.Tensor:
+def total_entropy(pool: Pool, anchor, vectors, coefficients, keys, batches: dict[str, list]) -> torch.Tensor:
     weights = combine_weights(anchor, vectors, coefficients, keys)
-    return sum(entropy(context.logits(weights, task, images)) for task in context.tasks for images in batches[task])
+    return sum(entropy(pool.logits(weights, task, images)) for task in pool.tasks for images in batches[task])
 
 
 def adapt_coefficients(
-    context, anchor, vectors, keys, granularity: str, steps: int, lr: float, prior: float,
+    pool: Pool, anchor, vectors, keys, granularity: str, steps: int, lr: float, prior: float,
     limits: tuple[float, float], adapt_on: str, seed: int = 0,
 ) -> Adapted:
     rows = len(keys) if granularity == "layer" else 1
     raw = torch.full((rows, len(vectors)), float(prior), requires_grad=True)
     optimizer = torch.optim.Adam([raw], lr=lr, betas=(0.9, 0.999))
-    streams = _unlabelled(context, adapt_on, seed)
-    probe = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in context.tasks}
+    streams = _unlabelled(pool, adapt_on, seed)
+    probe = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in pool.tasks}
     with torch.no_grad():
-        before = float(total_entropy(context, anchor, vectors, raw.clamp(*limits), keys, probe))
+        before = float(total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, probe))
     for _ in range(steps):
-        batches = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in context.tasks}
-        loss = total_entropy(context, anchor, vectors, raw.clamp(*limits), keys, batches)
+        batches = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in pool.tasks}
+        loss = total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, batches)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
     coefficients = raw.detach().clamp(*limits)
     with torch.no_grad():
-        after = float(total_entropy(context, anchor, vectors, coefficients, keys, probe))
+        after = float(total_entropy(pool, anchor, vectors, coefficients, keys, probe))
     return Adapted(coefficients, before, after)
 
 
-def _note(context, name: str, adapted: Adapted) -> None:
-    context.notes[name] = {
+def notes_of(adapted: Adapted, keys, granularity: str) -> dict[str, object]:
+    notes: dict[str, object] = {
+        "granularity": granularity,
         "entropy_before": adapted.entropy_before,
         "entropy_after": adapted.entropy_after,
         "coefficients": adapted.coefficients.tolist(),
     }
+    if granularity == "layer":
+        notes["layers"] = list(keys)
+    return notes
 
 
 def _merge(anchor_state, vectors, keys, adapted: Adapted) -> dict[str, torch.Tensor]:
@@ -110,14 +118,13 @@ def task_vectors(models: Sequence, base, keys) -> list[dict[str, torch.Tensor]]:
     return [{key: model[key].float() - base[key].float() for key in keys} for model in models]
 
 
-def adamerging(models, base, context, granularity: str, steps: int, lr: float, prior: float, adapt_on: str):
+def adamerging(models, base, pool: Pool, granularity: str, steps: int, lr: float, prior: float, adapt_on: str) -> MergeOutput:
     base_state = {key: base[key] for key in base}
     keys = floating_keys(base_state)
     vectors = task_vectors(models, base_state, keys)
     anchor = {key: base_state[key].float() for key in keys}
-    adapted = adapt_coefficients(context, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 1.0), adapt_on)
-    _note(context, "adamerging", adapted)
-    return _merge(base_state, vectors, keys, adapted)
+    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 1.0), adapt_on)
+    return MergeOutput(_merge(base_state, vectors, keys, adapted), notes_of(adapted, keys, granularity))
 
 
 def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
@@ -136,13 +143,12 @@ def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
     return average, keys, vectors
 
 
-def adamerging_cart(models, base, context, granularity: str, steps: int, lr: float, prior: float, adapt_on: str,
-                    rank_ratio: float, matrix_keys: str):
+def adamerging_cart(models, base, pool: Pool, granularity: str, steps: int, lr: float, prior: float, adapt_on: str,
+                    rank_ratio: float, matrix_keys: str) -> MergeOutput:
     average, keys, vectors = centered_low_rank_vectors(models, rank_ratio, matrix_keys)
     anchor = {key: average[key].float() for key in keys}
-    adapted = adapt_coefficients(context, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 3.0), adapt_on)
-    _note(context, "adamerging_cart", adapted)
-    return _merge(average, vectors, keys, adapted)
+    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 3.0), adapt_on)
+    return MergeOutput(_merge(average, vectors, keys, adapted), notes_of(adapted, keys, granularity))
 
 
 register(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mima.core.linalg import low_rank, svd
 from mima.merging.registry import MergeMethod, register
 from mima.merging.uniform import mean_tensor
 
@@ -35,14 +36,6 @@ def cart_rank(shape: tuple[int, ...] | torch.Size, rank_ratio: float) -> int:
         return 0
     full = min(shape)
     return min(full, max(1, math.floor(rank_ratio * full + 1e-9)))  # the epsilon absorbs 0.29 * 100 = 28.999...
-
-
-def low_rank(matrix: torch.Tensor, rank: int) -> torch.Tensor:
-    """The best rank-`rank` approximation (truncated SVD) of a 2-D tensor, in float32."""
-    if rank == 0:
-        return torch.zeros_like(matrix, dtype=torch.float32)
-    u, s, vh = torch.linalg.svd(matrix.float(), full_matrices=False)
-    return (u[:, :rank] * s[:rank]) @ vh[:rank]
 
 
 def is_matrix(key: str, tensor_or_shape, matrix_keys: str) -> bool:
@@ -75,10 +68,9 @@ def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEF
             continue
         totals = {ratio: torch.zeros(average.shape, dtype=torch.float32) for ratio in ratios}
         for model in models:
-            u, s, vh = torch.linalg.svd(model[key].float() - average.float(), full_matrices=False)
+            decomposition = svd(model[key].float() - average.float())
             for ratio in ratios:
-                rank = cart_rank(average.shape, ratio)
-                totals[ratio] += (u[:, :rank] * s[:rank]) @ vh[:rank]
+                totals[ratio] += decomposition.low_rank(cart_rank(average.shape, ratio))
         for ratio in ratios:
             directions[ratio][key] = totals[ratio]
     for ratio in ratios:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from mima.core.linalg import svd
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
 from mima.merging.registry import MergeMethod, register
 from mima.merging.uniform import mean_tensor
@@ -32,10 +33,9 @@ def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRI
         for task, model in enumerate(models):
             centered = model[key].float() - average.float()
             if is_matrix(key, average, matrix_keys):
-                rank = cart_rank(average.shape, rank_ratio)
-                u, s, vh = torch.linalg.svd(centered, full_matrices=False)
-                index[f"task{task}/{key}/left"] = (u[:, :rank] * s[:rank]).contiguous()
-                index[f"task{task}/{key}/right"] = vh[:rank].contiguous()
+                left, right = svd(centered).factors(cart_rank(average.shape, rank_ratio))
+                index[f"task{task}/{key}/left"] = left.contiguous()
+                index[f"task{task}/{key}/right"] = right.contiguous()
             else:
                 index[f"task{task}/{key}/full"] = centered
     return index

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from mima.core.errors import MimaError
 from mima.merging.registry import MergeMethod, register
 from mima.merging.task_arithmetic import task_vectors_by_key
 
@@ -27,7 +28,20 @@ def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tenso
     return taus.abs() > lam * (total.unsqueeze(0) - taus).abs()
 
 
-def consensus(models, base, mask_lam: float, min_tasks: int):
+def per_task_lams(mask_lam, tasks: int) -> list[float]:
+    """`mask_lam` as one value per task (a single number is every task's)."""
+    lams = list(mask_lam) if isinstance(mask_lam, (list, tuple)) else [mask_lam] * tasks
+    if len(lams) != tasks:
+        raise MimaError(f"mask_lam: {len(lams)} values for {tasks} tasks (give one, or one per task)")
+    return lams
+
+
+def consensus(models, base, mask_lam, min_tasks: int):
+    """(key, theta_0, consensus-masked tau_MTL or None) per key; checks mask_lam before the first key."""
+    return _consensus(models, base, per_task_lams(mask_lam, len(models)), min_tasks)
+
+
+def _consensus(models, base, mask_lam: list[float], min_tasks: int):
     for key, anchor, taus in task_vectors_by_key(models, base):
         if taus is None:
             yield key, anchor, None

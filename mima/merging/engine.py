@@ -1,6 +1,6 @@
 """Merging files into a file, tensor by tensor.
 
-The inputs are opened lazily (mima.merging.tensor_files.SafetensorsReader), checked against each
+The inputs are opened lazily (mima.core.tensor_files.SafetensorsReader), checked against each
 other from their headers alone (keys, shapes, dtypes; the error names the key and both files), and
 the merged tensors are written as they are produced. Peak memory is therefore a few tensors per
 input plus what a strategy keeps between passes (TIES: one model-sized float32 buffer while it finds
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 from mima.merging.registry import MergeMethod
-from mima.merging.tensor_files import SafetensorsReader, SafetensorsWriter, TensorInfo
-from mima.run_dir import RunFolder
-from mima.state_dicts import check_compatible
+from mima.core.tensor_files import SafetensorsReader, SafetensorsWriter, TensorInfo
+from mima.core.run_folder import RunFolder
+from mima.core.state_dicts import check_compatible
 
 
 class OrderedView(Mapping[str, torch.Tensor]):
@@ -56,7 +56,7 @@ def expand_models(paths: Sequence[Path]) -> tuple[list[Path], list[str] | None, 
     if len(paths) == 1 and Path(paths[0]).is_dir():
         run = RunFolder(Path(paths[0]))
         tasks = run.task_order()
-        return [run.path / "final" / f"{task}.safetensors" for task in tasks], tasks, run.path / "pretrained.safetensors"
+        return [run.final_file(task) for task in tasks], tasks, run.pretrained_file
     for path in paths:
         if Path(path).is_dir():
             raise MimaError(f"--models {path}: a folder; give one `mima fit` run folder alone, or safetensors files")

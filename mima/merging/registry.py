@@ -2,30 +2,39 @@
 
 Every strategy works on mappings from key to tensor (which may be lazy, file-backed readers) and
 touches one key of each input at a time, so merging streams: see mima.merging.engine. A strategy
-is one of three kinds:
+is one of four kinds:
 
   stream_fn(models, base, **hp)  -> iterator of (key, merged tensor)
   scaled_fn(models, base, **hp)  -> iterator of (key, anchor, direction or None); the merge is
                                     anchor + lam * direction, so a lambda grid needs one direction
                                     per structural setting (selection sweeps lam cheaply)
-  data_fn(models, base, context, **hp) -> state dict; strategies that need calibration or
-                                    unlabelled data and forward passes (they hold all T task vectors)
+  data_fn(models, base, pool, **hp) -> MergeOutput(state, notes); strategies that need calibration
+                                    or unlabelled data and forward passes (they hold all T task
+                                    vectors). `pool` is a task pool (mima.merging.pool.Pool: tasks,
+                                    heads, encoder, examples, loader, logits); the notes say what
+                                    the strategy learnt (coefficients, chosen vertices, ...)
   index_fn(models, base, **hp) -> index, with reconstruct_fn(index, task) -> that task's model;
                                     per-task compressions (CART-Indexing, TALL masks) that keep
                                     one shared model plus a small per-task part
+
+Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type),
+and a strategy lists the ones it takes with their defaults. A strategy whose hyperparameters depend
+on a setting (FW-Merging's mode) says which it uses for given values (`uses`); a value given for a
+hyperparameter the setting does not use is an error, never silently ignored.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from mima.errors import MimaError
-from mima.state_dicts import is_mergeable
+from mima.core.errors import MimaError
+from mima.core.state_dicts import is_mergeable
 
 TensorMap = Mapping[str, torch.Tensor]
 StateDict = dict[str, torch.Tensor]
@@ -34,39 +43,131 @@ ScaledItem = tuple[str, torch.Tensor, "torch.Tensor | None"]
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# Every hyperparameter any strategy takes: (check, what it must be). One table, so the CLI and the
-# functions reject the same values with the same words.
-HYPERPARAMETERS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "lam": (_finite, "a finite number"),
-    "k": (lambda v: _finite(v) and 0 < v <= 100, "a percentage of entries kept, in (0, 100]"),
-    "rank_ratio": (lambda v: _finite(v) and 0 <= v <= 1, "a fraction of the rank, in [0, 1]"),
-    "drop": (lambda v: _finite(v) and 0 <= v < 1, "a drop probability, in [0, 1)"),
-    "density": (lambda v: _finite(v) and 0 < v <= 1, "a fraction of entries kept, in (0, 1]"),
-    "gamma": (lambda v: _finite(v) and 0 <= v < 1, "a fraction of the largest entries removed, in [0, 1)"),
-    "seed": (lambda v: isinstance(v, int), "an integer"),
-    "trim": (lambda v: v in ("global", "per-tensor"), "'global' or 'per-tensor'"),
-    "matrix_keys": (lambda v: isinstance(v, str), "a regular expression"),
-    "mask_lam": (
-        lambda v: (_finite(v) and v >= 0) or (isinstance(v, (list, tuple)) and all(_finite(x) and x >= 0 for x in v)),
-        "a non-negative number (or one per task)",
-    ),
-    "min_tasks": (lambda v: isinstance(v, int) and v >= 1, "a whole number of tasks, at least 1"),
-    "alpha": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "steps": (lambda v: isinstance(v, int) and v >= 1, "a positive whole number of steps"),
-    "lr": (lambda v: _finite(v) and v > 0, "a positive number"),
-    "granularity": (lambda v: v in ("task", "layer"), "'task' or 'layer'"),
-    "iterations": (lambda v: isinstance(v, int) and v >= 1, "a positive whole number"),
-    "mode": (lambda v: v in ("hard", "soft"), "'hard' or 'soft'"),
-    "prior": (_finite, "a finite number"),
-    "examples": (lambda v: isinstance(v, int) and v >= 1, "a positive whole number of examples"),
-    "adapt_on": (lambda v: v in ("test", "val", "train"), "'test', 'val' or 'train'"),
-    "start": (lambda v: v in ("pretrained", "task_arithmetic", "adamerging"), "'pretrained', 'task_arithmetic' or 'adamerging'"),
-    "step_size": (lambda v: _finite(v) and v > 0, "a positive number"),
-    "ada_steps": (lambda v: isinstance(v, int) and v >= 1, "a positive whole number of steps"),
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _regex(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True
+
+
+def _non_negative_or_per_task(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(_finite(x) and x >= 0 for x in value)
+    return _finite(value) and value >= 0
+
+
+@dataclass(frozen=True)
+class Hyperparameter:
+    """One hyperparameter, declared once: its check, what it must be, what it does, and how the
+    command line reads it (`mima merge` makes one flag per declaration)."""
+
+    name: str
+    meaning: str  # what a valid value is; completes "<name> must be ..."
+    doc: str  # what it controls
+    check: Callable[[object], bool] | None = None  # None: one of `choices`
+    type: Callable[[str], object] = str  # how a command-line word becomes a value
+    choices: tuple[str, ...] | None = None
+    many: bool = False  # the flag takes one or more values; a single one is given as that value
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def accepts(self, value: object) -> bool:
+        if self.check is not None:
+            return bool(self.check(value))
+        return value in self.choices
+
+    def argparse_options(self) -> dict[str, object]:
+        """Keyword arguments of argparse's add_argument for this hyperparameter's flag."""
+        options: dict[str, object] = {"type": self.type}
+        if self.choices is not None:
+            options["choices"] = self.choices
+        if self.many:
+            options["nargs"] = "+"
+        return options
+
+    def from_command_line(self, value: object) -> object:
+        """The parsed flag as the strategy takes it (several values as a list, one as itself)."""
+        if self.many and isinstance(value, list):
+            return value[0] if len(value) == 1 else list(value)
+        return value
+
+
+def _choice(name: str, choices: tuple[str, ...], doc: str) -> Hyperparameter:
+    quoted = [repr(c) for c in choices]
+    meaning = ", ".join(quoted[:-1]) + " or " + quoted[-1]
+    return Hyperparameter(name, meaning, doc, choices=choices)
+
+
+# Every hyperparameter any strategy takes. The strategies, `MergeMethod.hyperparameters` and the
+# command line all read this one table, so they accept and reject the same values with the same words.
+HYPERPARAMETERS: dict[str, Hyperparameter] = {
+    spec.name: spec
+    for spec in (
+        Hyperparameter("lam", "a finite number", "scaling coefficient lambda of the merged task vector "
+                       "(FW-Merging hard: of each step and of the task-arithmetic start)", _finite, float),
+        Hyperparameter("k", "a percentage of entries kept, in (0, 100]", "TIES: share of each task vector kept by the trim",
+                       lambda v: _finite(v) and 0 < v <= 100, float),
+        Hyperparameter("rank_ratio", "a fraction of the rank, in [0, 1]", "CART: share of each matrix's rank kept",
+                       lambda v: _finite(v) and 0 <= v <= 1, float),
+        Hyperparameter("drop", "a drop probability, in [0, 1)", "DARE: probability p of dropping a task-vector entry",
+                       lambda v: _finite(v) and 0 <= v < 1, float),
+        Hyperparameter("density", "a fraction of entries kept, in (0, 1]", "Breadcrumbs: share of each row kept below the top gamma",
+                       lambda v: _finite(v) and 0 < v <= 1, float),
+        Hyperparameter("gamma", "a fraction of the largest entries removed, in [0, 1)",
+                       "Breadcrumbs: share of each row's largest entries removed", lambda v: _finite(v) and 0 <= v < 1, float),
+        Hyperparameter("seed", "an integer", "seed of the random drop masks", _whole, int),
+        _choice("trim", ("global", "per-tensor"), "TIES: trim over the whole task vector or each tensor"),
+        Hyperparameter("matrix_keys", "a regular expression", "which 2-D tensors get the matrix (low-rank) treatment",
+                       _regex, str),
+        Hyperparameter("mask_lam", "a non-negative number (or one per task)", "TALL mask threshold lambda_t",
+                       _non_negative_or_per_task, float, many=True),
+        Hyperparameter("min_tasks", "a whole number of tasks, at least 1", "consensus: how many task masks must select an entry",
+                       lambda v: _whole(v) and v >= 1, int),
+        Hyperparameter("alpha", "a number in [0, 1]", "RegMean: scale of the Gram matrices' off-diagonal entries",
+                       lambda v: _finite(v) and 0 <= v <= 1, float),
+        Hyperparameter("steps", "a positive whole number of steps", "AdaMerging: Adam steps",
+                       lambda v: _whole(v) and v >= 1, int),
+        Hyperparameter("lr", "a positive number", "learning rate (Adam) of the AdaMerging coefficients", lambda v: _finite(v) and v > 0, float),
+        _choice("granularity", ("task", "layer"), "AdaMerging: one coefficient per task, or per task and tensor"),
+        Hyperparameter("iterations", "a positive whole number", "FW-Merging: Frank-Wolfe iterations",
+                       lambda v: _whole(v) and v >= 1, int),
+        _choice("mode", ("hard", "soft"), "FW-Merging: one vertex and a fixed step, or AdaMerging over T vertices"),
+        Hyperparameter("prior", "a finite number", "AdaMerging: initial value of the coefficients", _finite, float),
+        Hyperparameter("examples", "a positive whole number of examples", "calibration examples per task (train split)",
+                       lambda v: _whole(v) and v >= 1, int),
+        _choice("adapt_on", ("test", "val", "train"), "AdaMerging: split whose unlabelled inputs it adapts on"),
+        _choice("start", ("pretrained", "task_arithmetic", "adamerging"), "FW-Merging hard: the initial merge"),
+        Hyperparameter("step_size", "a positive number", "FW-Merging hard: step size, times 2 / (t + 2) and lam",
+                       lambda v: _finite(v) and v > 0, float),
+        Hyperparameter("ada_steps", "a positive whole number of steps", "FW-Merging: Adam steps of each AdaMerging run",
+                       lambda v: _whole(v) and v >= 1, int),
+    )
 }
+
+
+@dataclass
+class MergeOutput:
+    """What a data-dependent strategy returns: the merged state dict and notes on how it was found
+    (learnt coefficients, entropies, chosen vertices; JSON-serialisable)."""
+
+    state: StateDict
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+def _spell(name: str) -> str:
+    return name
 
 
 @dataclass(frozen=True)
@@ -75,14 +176,17 @@ class MergeMethod:
     paper: str
     summary: str
     needs_base: bool
-    defaults: dict[str, object] = field(default_factory=dict)  # used without validation data
+    defaults: dict[str, object] = field(default_factory=dict)  # every hyperparameter it takes, with its default
     grid: dict[str, tuple] = field(default_factory=dict)  # searched on validation data
     stream_fn: Callable[..., Iterator[Item]] | None = None
     scaled_fn: Callable[..., Iterator[ScaledItem]] | None = None
-    data_fn: Callable[..., StateDict] | None = None
+    data_fn: Callable[..., MergeOutput] | None = None
     index_fn: Callable[..., StateDict] | None = None
     reconstruct_fn: Callable[[Mapping[str, torch.Tensor], int], StateDict] | None = None
     sweep_fn: Callable[..., Iterator[tuple[dict, StateDict, StateDict]]] | None = None
+    # uses(values) -> the hyperparameters that a full setting actually uses (None: all of them).
+    # Only those are passed to the strategy; giving another is an error.
+    uses: Callable[[Mapping[str, object]], Collection[str]] | None = None
 
     @property
     def needs_data(self) -> bool:
@@ -92,8 +196,13 @@ class MergeMethod:
     def per_task(self) -> bool:
         return self.index_fn is not None
 
-    def hyperparameters(self, given: Mapping[str, object]) -> dict[str, object]:
-        """The defaults updated with `given`, each checked; unknown names are errors."""
+    def hyperparameters(self, given: Mapping[str, object], spell: Callable[[str], str] = _spell) -> dict[str, object]:
+        """The defaults updated with `given`, each checked, restricted to those the setting uses.
+
+        Unknown names, invalid values and values given for a hyperparameter that the setting does
+        not use (FW-Merging's lam in soft mode) are errors naming the option; `spell` writes an
+        option's name (the command line passes '--lam' for 'lam').
+        """
         unknown = sorted(set(given) - set(self.defaults))
         if unknown:
             raise MimaError(
@@ -101,11 +210,22 @@ class MergeMethod:
                 f"(it takes: {', '.join(self.defaults) or 'none'})"
             )
         values = {**self.defaults, **given}
-        for name, value in values.items():
-            check, meaning = HYPERPARAMETERS[name]
-            if not check(value):
-                raise MimaError(f"merge method '{self.name}': {name} must be {meaning}, got {value!r}")
-        return values
+        for name in (*given, *self.defaults):  # the given ones first: a user's mistake is named first
+            spec = HYPERPARAMETERS[name]
+            if not spec.accepts(values[name]):
+                raise MimaError(f"merge method '{self.name}': {spell(name)} must be {spec.meaning}, got {values[name]!r}")
+        if self.uses is None:
+            return values
+        used = set(self.uses(values))
+        unused = [name for name in given if name not in used]
+        if unused:
+            deciding = [n for n in self.defaults if n in used and HYPERPARAMETERS[n].choices is not None]
+            setting = ", ".join(f"{spell(n)}={values[n]}" for n in deciding)
+            raise MimaError(
+                f"merge method '{self.name}': {spell(unused[0])} is not used with {setting} "
+                f"(used there: {', '.join(spell(n) for n in self.defaults if n in used)})"
+            )
+        return {name: value for name, value in values.items() if name in used}
 
     def _check_inputs(self, models: Sequence[TensorMap], base: TensorMap | None) -> None:
         if self.needs_base and base is None:
@@ -129,17 +249,29 @@ class MergeMethod:
             for key, anchor, direction in self.scaled_fn(models, base, **values)
         )
 
-    def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, context=None, **given) -> StateDict:
-        """The merged model as a state dict (for per-task methods: their index)."""
+    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, **given) -> MergeOutput:
+        """The merged model (for per-task methods: their index) with the strategy's notes.
+
+        `pool` (a task pool, see mima.merging.pool.Pool) is required by data-dependent strategies
+        and ignored by the others, whose notes are empty.
+        """
         if self.per_task:
             self._check_inputs(models, base)
-            return self.index_fn(models, base, **self.hyperparameters(given))
+            return MergeOutput(self.index_fn(models, base, **self.hyperparameters(given)))
         if self.needs_data:
-            if context is None:
+            values = self.hyperparameters(given)
+            if pool is None:
                 raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
             self._check_inputs(models, base)
-            return self.data_fn(models, base, context, **self.hyperparameters(given))
-        return dict(self.stream(models, base, **given))
+            output = self.data_fn(models, base, pool, **values)
+            if not isinstance(output, MergeOutput):
+                raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
+            return output
+        return MergeOutput(dict(self.stream(models, base, **given)))
+
+    def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, **given) -> StateDict:
+        """The merged model as a state dict (for per-task methods: their index); see `merge` for the notes."""
+        return self.merge(models, base, pool, **given).state
 
     def sweep(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
         """(setting, anchor, direction) for every combination of structural values, for selection."""
@@ -173,6 +305,7 @@ MERGE_METHODS: dict[str, MergeMethod] = {}
 
 
 def register(method: MergeMethod) -> MergeMethod:
+    """Add a strategy; its declaration is checked here, so a mistake fails at import, not mid-merge."""
     if method.name in MERGE_METHODS:
         raise ValueError(f"merge method {method.name} registered twice")
     kinds = [f for f in (method.stream_fn, method.scaled_fn, method.data_fn, method.index_fn) if f is not None]
@@ -180,6 +313,19 @@ def register(method: MergeMethod) -> MergeMethod:
         raise ValueError(f"merge method {method.name} needs exactly one of stream_fn, scaled_fn, data_fn, index_fn")
     if (method.index_fn is None) != (method.reconstruct_fn is None):
         raise ValueError(f"merge method {method.name}: index_fn and reconstruct_fn come together")
+    undeclared = sorted(set(method.defaults) - set(HYPERPARAMETERS))
+    if undeclared:
+        raise ValueError(f"merge method {method.name}: hyperparameter {undeclared[0]} is not declared in HYPERPARAMETERS")
+    if method.scaled_fn is not None and "lam" not in method.defaults:
+        raise ValueError(f"merge method {method.name}: a scaled_fn strategy takes lam")
+    for name, value in method.defaults.items():
+        if not HYPERPARAMETERS[name].accepts(value):
+            raise ValueError(f"merge method {method.name}: default {name}={value!r} is not {HYPERPARAMETERS[name].meaning}")
+    for name, values in method.grid.items():
+        if name not in method.defaults or not all(HYPERPARAMETERS[name].accepts(v) for v in values):
+            raise ValueError(f"merge method {method.name}: grid of {name} is not a list of its valid values")
+    if method.uses is not None and not set(method.uses(method.defaults)) <= set(method.defaults):
+        raise ValueError(f"merge method {method.name}: uses() names hyperparameters it does not take")
     MERGE_METHODS[method.name] = method
     return method
 

@@ -7,7 +7,8 @@ whose forward runs, the Gram matrix of its inputs G_t = X_t^T X_t / rows is coll
 are scaled by `alpha`; W* = (sum_t G_t)^-1 sum_t G_t W_t^T, transposed back. Everything else
 (biases, norms, embeddings, and linear weights whose module never runs its own forward, such as
 nn.MultiheadAttention's in_proj and out_proj in open_clip, which it applies functionally) is
-averaged. Defaults: 256 examples per task, alpha 0.6 (FusionBench's CLIP settings).
+averaged. Defaults: 256 examples per task, alpha 0.6 (FusionBench's CLIP settings). Notes: the
+weights merged by RegMean (`linear_layers`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mima.merging.registry import MergeMethod, register
+from mima.merging.pool import Pool
+from mima.merging.registry import MergeMethod, MergeOutput, register
 from mima.merging.uniform import mean_tensor
 
 
-def input_grams(context, weights, task: str, examples: int) -> dict[str, torch.Tensor]:
+def input_grams(pool: Pool, weights, task: str, examples: int) -> dict[str, torch.Tensor]:
     """Mean outer products of the inputs of each nn.Linear that runs, keyed by its weight's name."""
     grams: dict[str, torch.Tensor] = {}
     rows: dict[str, int] = {}
     handles = []
-    for name, module in context.encoder.named_modules():
+    for name, module in pool.encoder.named_modules():
         if isinstance(module, nn.Linear):
-            key = f"{name}.weight"
+            key = f"{name}.weight" if name else "weight"  # the encoder itself may be the nn.Linear
 
             def hook(module, inputs, output, key=key):
                 x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
@@ -36,8 +38,8 @@ def input_grams(context, weights, task: str, examples: int) -> dict[str, torch.T
             handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad():
-            for images, _ in context.examples(task, "train", examples):
-                context.logits(weights, task, images)
+            for images, _ in pool.examples(task, "train", examples):
+                pool.logits(weights, task, images)
     finally:
         for handle in handles:
             handle.remove()
@@ -57,8 +59,8 @@ def regmean_weight(grams: list[torch.Tensor], weights: list[torch.Tensor], alpha
     return torch.linalg.solve(sum(reduced), rhs).T.contiguous()
 
 
-def regmean(models, base, context, examples: int, alpha: float):
-    grams = [input_grams(context, {key: model[key] for key in model}, task, examples) for model, task in zip(models, context.tasks)]
+def regmean(models, base, pool: Pool, examples: int, alpha: float) -> MergeOutput:
+    grams = [input_grams(pool, {key: model[key] for key in model}, task, examples) for model, task in zip(models, pool.tasks)]
     linear = set.intersection(*(set(g) for g in grams)) if grams else set()
     merged = {}
     for key in models[0]:
@@ -67,8 +69,7 @@ def regmean(models, base, context, examples: int, alpha: float):
             continue
         weight = regmean_weight([g[key] for g in grams], [model[key] for model in models], alpha)
         merged[key] = weight.to(models[0][key].dtype)
-    context.notes["regmean"] = {"linear_layers": sorted(linear)}
-    return merged
+    return MergeOutput(merged, {"linear_layers": sorted(linear)})
 
 
 register(

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from mima.merging.consensus import task_masks
+from mima.merging.consensus import per_task_lams, task_masks
 from mima.merging.registry import MergeMethod, register
 from mima.merging.task_arithmetic import task_vectors_by_key
 
@@ -32,9 +32,7 @@ def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
-    lams = list(mask_lam) if isinstance(mask_lam, (list, tuple)) else [mask_lam] * len(models)
-    if len(lams) != len(models):
-        raise ValueError(f"{len(lams)} mask_lam values for {len(models)} tasks")
+    lams = per_task_lams(mask_lam, len(models))
     index: dict[str, torch.Tensor] = {}
     for key, anchor, vectors in task_vectors_by_key(models, base):
         index[f"base/{key}"] = anchor

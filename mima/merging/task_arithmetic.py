@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from mima.merging.registry import MergeMethod, register
-from mima.state_dicts import accumulator
+from mima.core.state_dicts import accumulator
 
 # transform(task index, key, tau) -> the tensor that enters the sum (DARE drops, Breadcrumbs masks)
 Transform = Callable[[int, str, torch.Tensor], torch.Tensor]

@@ -18,30 +18,25 @@ import re
 
 import torch
 
+from mima.core.linalg import polar_factor, svd
 from mima.merging.registry import MergeMethod, register
 from mima.merging.task_arithmetic import task_vectors_by_key
 
 DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
 
 
-def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
-    u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
-    return u @ vh
-
-
 def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
     """The TSV merge of T task matrices (float32)."""
     count = len(taus)
-    decompositions = [torch.linalg.svd(tau.float(), full_matrices=False) for tau in taus]
-    full_rank = decompositions[0][1].shape[0]
-    k = int(full_rank / count)
-    u_blocks = torch.zeros_like(decompositions[0][0])
-    s_blocks = torch.zeros_like(decompositions[0][1])
-    v_blocks = torch.zeros_like(decompositions[0][2])
-    for index, (u, s, vh) in enumerate(decompositions):
-        u_blocks[:, index * k : (index + 1) * k] = u[:, :k]
-        s_blocks[index * k : (index + 1) * k] = s[:k]
-        v_blocks[index * k : (index + 1) * k, :] = vh[:k, :]
+    decompositions = [svd(tau) for tau in taus]
+    k = int(decompositions[0].full_rank / count)
+    u_blocks = torch.zeros_like(decompositions[0].u)
+    s_blocks = torch.zeros_like(decompositions[0].s)
+    v_blocks = torch.zeros_like(decompositions[0].vh)
+    for index, d in enumerate(decompositions):
+        u_blocks[:, index * k : (index + 1) * k] = d.u[:, :k]
+        s_blocks[index * k : (index + 1) * k] = d.s[:k]
+        v_blocks[index * k : (index + 1) * k, :] = d.vh[:k, :]
     return polar_factor(u_blocks) @ torch.diag(s_blocks) @ polar_factor(v_blocks)
 
 

@@ -7,7 +7,7 @@ around (paper 001). Every floating tensor is averaged; integer tensors come from
 from __future__ import annotations
 
 from mima.merging.registry import MergeMethod, register
-from mima.state_dicts import accumulator
+from mima.core.state_dicts import accumulator
 
 
 def mean_tensor(models, key: str):

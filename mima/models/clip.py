@@ -1,4 +1,4 @@
-"""Building open_clip models from a name + pretrained tag, a local file, a local folder, or a config.
+"""Building open_clip models from a name + pretrained tag, a local file, or a local folder.
 
 Accepted sources (`name` / `pretrained`):
   ViT-B-32 / openai                an open_clip architecture and tag (downloads; not possible offline)
@@ -6,7 +6,7 @@ Accepted sources (`name` / `pretrained`):
   ViT-B-32 / none                  an architecture with random weights (offline smoke tests)
   local-dir:/path/folder           a folder with open_clip_config.json and weights (the HF-hub layout)
   embedded:tiny-digits             mima's own tiny CLIP, pretrained on first use and cached
-and `load_clip_from_config(config)` for a model config dict (small test models).
+Small test models are written as local-dir folders and loaded the same way as downloaded ones.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 import torch
 from torch import nn
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 EMBEDDED_PREFIX = "embedded:"
 LOCAL_DIR_PREFIX = "local-dir:"

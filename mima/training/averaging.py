@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mima.training.layout import TaskLayout
+from mima.core.layout import TaskLayout
 
 StateDict = dict[str, torch.Tensor]
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
+from mima.core.files import atomic_path, replace_symlink, write_json_atomic
 
-CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"
 META = "meta.json"
 PARTIAL = ".partial"
@@ -46,32 +46,9 @@ def rank_file(checkpoint_dir: Path, rank: int) -> Path:
 
 
 def write_atomically(obj: object, path: Path) -> None:
-    """torch.save into a temporary file beside `path`, fsync, then rename onto `path`."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as stream:
-            torch.save(obj, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def write_json_atomically(obj: object, path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(temporary, path)
-
-
-def replace_symlink(target_name: str, link: Path) -> None:
-    """Point `link` at `target_name` (relative), atomically: a new link renamed over the old one."""
-    temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    if temporary.is_symlink() or temporary.exists():
-        temporary.unlink()
-    os.symlink(target_name, temporary)
-    os.replace(temporary, link)
+    """torch.save through mima.core.files.atomic_path (temporary file, fsync, rename)."""
+    with atomic_path(path) as temporary:
+        torch.save(obj, temporary)
 
 
 def read_meta(checkpoint_dir: Path) -> dict:
@@ -85,9 +62,10 @@ def is_complete(checkpoint_dir: Path) -> bool:
     return (Path(checkpoint_dir) / META).is_file()
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `last` points at, or the newest complete one if the link is missing or broken."""
-    folder = Path(run_dir) / CHECKPOINTS
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint `last` in `folder` (a run's checkpoints/) points at, or the newest complete
+    one if the link is missing or broken."""
+    folder = Path(folder)
     link = folder / LAST
     if link.is_symlink() and is_complete(link.resolve()):
         return link.resolve()
@@ -98,6 +76,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size")
+
+
+def run_identity(tasks: list[str], steps: int, iterations: int, world_size: int) -> dict:
+    """What a checkpoint must agree on to be resumed by a run."""
+    identity = {"tasks": list(tasks), "steps": steps, "iterations": iterations,
+                "steps_per_phase": steps // iterations, "world_size": world_size}
+    assert tuple(identity) == RUN_IDENTITY_KEYS
+    return identity
 
 
 def check_resumable(checkpoint_dir: Path, expected: dict) -> None:
@@ -111,12 +97,12 @@ def check_resumable(checkpoint_dir: Path, expected: dict) -> None:
             )
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path, expected: dict) -> Path | None:
+def resolve_ckpt_path(ckpt_path: str | None, checkpoints_dir: Path, expected: dict) -> Path | None:
     """`last` -> the run's latest complete checkpoint (None: start fresh); a path must be a complete one."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        found = latest_checkpoint(run_dir)
+        found = latest_checkpoint(checkpoints_dir)
     else:
         found = Path(ckpt_path)
         if not found.exists():

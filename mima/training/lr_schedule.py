@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from mima.training.plan import PhasePlan
+from mima.core.plan import PhasePlan
 
 ScheduleName = Literal["cosine", "constant"]
 ScheduleScope = Literal["run", "phase"]

@@ -17,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
+from mima.models.batchnorm import freeze_batchnorm_statistics
 from mima.models.classifier import classify
 from mima.models.clip import LoadedClip, default_cache_dir, load_clip
 from mima.models.heads import HeadKind, task_heads
-from mima.training.layout import TaskLayout
+from mima.core.layout import TaskLayout
+from mima.training.checkpointing import run_identity
 from mima.training.lr_schedule import ScheduleName, ScheduleScope, lr_factor
-from mima.training.plan import PhasePlan, check_budget
+from mima.core.plan import PhasePlan, check_budget
+from mima.data.datamodule import ProcessTasks, TrainingSetup
 
 OptimizerState = Literal["reset", "keep"]
 BatchNormMode = Literal["frozen", "train"]
@@ -101,6 +104,7 @@ class MimaModule(L.LightningModule):
         self.theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in self.encoder.state_dict().items()}
         self.plan: PhasePlan | None = None
         self.layout: TaskLayout | None = None
+        self.tasks: ProcessTasks | None = None  # from TaskSuiteDataModule.connect, in setup
         self.task_names: list[str] = []
 
     # ----------------------------------------------------------------------------- setup
@@ -108,43 +112,42 @@ class MimaModule(L.LightningModule):
         if self.plan is not None:
             return
         datamodule = self.trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "task_specs"):
+        if datamodule is None or not hasattr(datamodule, "connect"):
             raise MimaError("MimaModule needs a TaskSuiteDataModule (the `data:` section of the config)")
-        self.task_names = list(datamodule.task_names)
-        # Which tasks this process trains: set by MimaStrategy; a plain single-device run owns all.
-        self.layout = getattr(self.trainer.strategy, "layout", None) or TaskLayout(len(self.task_names), 1)
-        rank = self.trainer.global_rank
-        self.plan = PhasePlan(
-            tasks=tuple(self.task_names),
-            local_tasks=self.layout.local_tasks(rank),
-            total_steps=self.hparams.steps,
-            iterations=self.hparams.iterations,
+        self.tasks = datamodule.connect(
+            TrainingSetup(
+                image_size=self.image_size,
+                preprocess=self.preprocess,
+                steps=self.hparams.steps,
+                iterations=self.hparams.iterations,
+                # which tasks this process trains: set by MimaStrategy; None for a plain one-device run
+                layout=getattr(self.trainer.strategy, "layout", None),
+                rank=self.trainer.global_rank,
+            )
         )
-        self.replica = (self.layout.replica_index(rank), self.layout.replicas)
-        local_specs = [datamodule.task_specs[task_index] for task_index in self.plan.local_tasks]
-        for slot, head in enumerate(self._task_heads(datamodule, local_specs).values()):
+        self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
+        self.task_names = list(self.plan.tasks)
+        for slot, head in enumerate(self._task_heads(self.tasks.local_specs).values()):
             self.register_buffer(f"head_{slot}", head, persistent=False)
         self._text.value = None  # the text tower is no longer needed
         self.encoder.requires_grad_(True)
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
         self.train()
 
-    def _task_heads(self, datamodule, specs) -> dict[str, torch.Tensor]:
+    def _task_heads(self, specs) -> dict[str, torch.Tensor]:
         loaded = self._text.value
         if loaded is None:
             raise RuntimeError("heads must be built before the text tower is dropped")
         train_sets = None
         if self.hparams.heads == "linear_probe":  # fitted on theta_0: setup runs before any checkpoint loads
-            train_sets = {spec.name: datamodule.task_data(spec.name, self.image_size, self.preprocess).train for spec in specs}
-        return task_heads(loaded, self.hparams.heads, specs, train_sets, self.cache_dir, datamodule.data_key)
+            train_sets = {spec.name: self.tasks.train_set(spec.name) for spec in specs}
+        return task_heads(loaded, self.hparams.heads, specs, train_sets, self.cache_dir, self.tasks.data_key)
 
     def train(self, mode: bool = True) -> MimaModule:
         """nn.Module.train, except that BatchNorm layers stay in eval mode when `batchnorm` is frozen."""
         super().train(mode)
         if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen":
-            for layer in self.encoder.modules():
-                if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
-                    layer.eval()
+            freeze_batchnorm_statistics(self.encoder)
         return self
 
     def head(self, slot: int) -> torch.Tensor:
@@ -179,13 +182,7 @@ class MimaModule(L.LightningModule):
     # ----------------------------------------------------------------------- checkpoints
     def run_identity(self) -> dict:
         """What a checkpoint must agree on to be resumed by this run."""
-        return {
-            "tasks": list(self.task_names),
-            "steps": self.hparams.steps,
-            "iterations": self.hparams.iterations,
-            "steps_per_phase": self.hparams.steps // self.hparams.iterations,
-            "world_size": self.layout.world_size,
-        }
+        return run_identity(self.task_names, self.hparams.steps, self.hparams.iterations, self.layout.world_size)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mima"] = {"run": self.run_identity(), "rank": self.trainer.global_rank, "rng": _capture_rng()}

@@ -27,9 +27,9 @@ from mima.training.checkpointing import (
     PARTIAL,
     rank_file,
     write_atomically,
-    write_json_atomically,
 )
-from mima.training.layout import TaskLayout
+from mima.core.files import write_json_atomic
+from mima.core.layout import TaskLayout
 
 
 class MimaStrategy(DDPStrategy):
@@ -84,7 +84,7 @@ class MimaStrategy(DDPStrategy):
         self.barrier("mima: every rank has written")
         if self.is_global_zero:
             meta = {"step": int(checkpoint.get("global_step", 0)), **checkpoint.get("mima", {}).get("run", {})}
-            write_json_atomically(meta, staging / META)
+            write_json_atomic(staging / META, meta)
             if final.exists():  # the same step saved again: keep the new one
                 aside = final.with_name(f"{final.name}.old.{os.getpid()}")
                 os.rename(final, aside)

@@ -16,14 +16,13 @@ the CPU until the phase ends. Everything needed to resume mid-phase is in `state
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from mima.safetensors_io import save_state_dict, write_json_atomic, write_text_atomic
-from mima.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
+from mima.core.run_folder import RunFolder
+from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
 from mima.training.averaging import average_phase, gather_task_values
 
 StateDict = dict[str, torch.Tensor]
@@ -52,22 +51,12 @@ class MimaSyncCallback(Callback):
         else:
             self.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
         if trainer.is_global_zero:
-            run_dir = Path(trainer.default_root_dir)
-            if not (run_dir / "pretrained.safetensors").exists():
-                save_state_dict(run_dir / "pretrained.safetensors", pl_module.theta_0, metadata={"role": "theta_0"})
+            RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Here, unlike in on_fit_start, Lightning has already restored the step counter.
         if trainer.is_global_zero:
-            self._trim_metrics(Path(trainer.default_root_dir) / "metrics.jsonl", trainer.global_step)
-
-    @staticmethod
-    def _trim_metrics(path: Path, step: int) -> None:
-        """Keep only the phases that the state being (re)started from has already completed."""
-        if not path.exists():
-            return
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["global_step"] <= step]
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
+            RunFolder(Path(trainer.default_root_dir)).trim_phase_records(trainer.global_step)
 
     # ------------------------------------------------------------------------ each step
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -118,8 +107,7 @@ class MimaSyncCallback(Callback):
         pl_module.log("mima/mean_cos_tau", record["mean_cos_tau"], on_step=True, on_epoch=False)
         pl_module.log("mima/mean_cos_delta", record["mean_cos_delta"], on_step=True, on_epoch=False)
         if trainer.is_global_zero:
-            with open(Path(trainer.default_root_dir) / "metrics.jsonl", "a") as stream:
-                stream.write(json.dumps(record) + "\n")
+            RunFolder(Path(trainer.default_root_dir)).append_phase_record(record)
         self.segment_ends.clear()
         self.loss_sums.clear()
 
@@ -140,21 +128,18 @@ class MimaSyncCallback(Callback):
             optimizer.load_state_dict({"state": self.task_moments[next_slot], "param_groups": groups})
 
     def _save_final(self, trainer, pl_module, task: str, weights: StateDict) -> None:
-        run_dir = Path(trainer.default_root_dir)
-        plan = pl_module.plan
-        datamodule = trainer.datamodule
+        plan, tasks = pl_module.plan, pl_module.tasks
         metadata = {
             "task": task,
             "N": plan.iterations,
             "K": plan.steps_per_phase,
             "S": plan.total_steps,
-            "seed": int(datamodule.hparams.seed),
+            "seed": tasks.seed,
             "tasks": list(plan.tasks),
             "world_size": pl_module.layout.world_size,
-            "config": {"model": dict(pl_module.hparams), "data": dict(datamodule.hparams)},
+            "config": {"model": dict(pl_module.hparams), "data": tasks.settings},
         }
-        save_state_dict(run_dir / "final" / f"{task}.safetensors", weights, metadata={"mima": metadata})
-        write_json_atomic(run_dir / "final" / f"{task}.json", metadata)
+        RunFolder(Path(trainer.default_root_dir)).write_final(task, weights, metadata)
 
     # --------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:

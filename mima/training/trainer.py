@@ -9,8 +9,7 @@ and `seed_everything:` sections; any key can be overridden on the command line (
 The run length is fixed by model.steps and model.iterations, so trainer.max_steps / max_epochs are
 set here; the strategy is always MimaStrategy (task-parallel DDP, also for one process).
 
-A run folder holds config.yaml, pretrained.safetensors, final/<task>.safetensors (+ .json),
-metrics.jsonl (one object per phase), checkpoints/ and logs/ (Lightning's CSV logger).
+The run folder's files are listed in mima.core.run_folder (RunFolder writes and reads them).
 Every check that can fail on user input runs before any process is launched, so a mistake is
 reported once, on one line.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import time
 import warnings
@@ -34,14 +32,14 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from mima.data.datamodule import TaskSuiteDataModule
-from mima.errors import MimaError
-from mima.safetensors_io import write_text_atomic
-from mima.training.checkpointing import CHECKPOINTS, MimaCheckpoint, resolve_ckpt_path
-from mima.training.layout import TaskLayout
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
+from mima.training.checkpointing import MimaCheckpoint, resolve_ckpt_path, run_identity
+from mima.core.layout import TaskLayout
 from mima.training.module import MimaModule
+from mima.training.run_config import config_error_text
 from mima.training.strategy import MimaStrategy
 
-RUN_OUTPUTS = ("config.yaml", "pretrained.safetensors", "metrics.jsonl", "final", "logs", CHECKPOINTS)
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "auto",
     "devices": 1,
@@ -88,17 +86,18 @@ class MimaCLI(LightningCLI):
         _set_threads(config.get("threads_per_process"))
         self.run_dir = resolve_run_dir(config.get("out"))
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
-            prepare_run_dir(self.run_dir, resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
+            RunFolder(self.run_dir).prepare(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         num_tasks = len(self.datamodule.task_names)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
-            kwargs["logger"] = CSVLogger(save_dir=str(self.run_dir), name="logs", version="")
+            logs = RunFolder(self.run_dir).logs_dir
+            kwargs["logger"] = CSVLogger(save_dir=str(logs.parent), name=logs.name, version="")
         every = config.get("checkpoint_every")
         every = self.model.hparams.steps // self.model.hparams.iterations if every is None else every
         if every > 0 and trainer_config.get("enable_checkpointing") is not False:
             callbacks = list(self.config_init["trainer"].get("callbacks") or [])
-            kwargs["callbacks"] = callbacks + [MimaCheckpoint(self.run_dir / CHECKPOINTS, every_n_train_steps=every)]
+            kwargs["callbacks"] = callbacks + [MimaCheckpoint(RunFolder(self.run_dir).checkpoints_dir, every_n_train_steps=every)]
         else:
             kwargs["enable_checkpointing"] = False
         return super().instantiate_trainer(**kwargs)
@@ -159,12 +158,12 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
             parser_kwargs={"exit_on_error": False, "prog": "mima fit"},
         )
     except ArgumentError as exc:
-        raise MimaError(f"config: {_first_line(exc)}") from None
+        raise MimaError(f"config: {config_error_text(exc)}") from None
     except ValueError as exc:  # jsonargparse wraps errors raised while instantiating classes
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, MimaError):
             raise cause from None
-        raise MimaError(f"config: {_first_line(exc)}") from None
+        raise MimaError(f"config: {config_error_text(exc)}") from None
 
 
 def _quiet_lightning_notes() -> None:
@@ -191,26 +190,6 @@ class _DropExpectedNotes(logging.Filter):
         return not any(note in record.getMessage() for note in self.EXPECTED)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def prepare_run_dir(run_dir: Path, resuming: bool, overwrite: bool) -> None:
-    """Refuse to clobber an earlier run unless resuming it or asked to overwrite it."""
-    earlier = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if earlier and not resuming:
-        if not overwrite:
-            raise MimaError(
-                f"--out {run_dir}: already holds a run ({', '.join(earlier)}); "
-                "resume it with --ckpt_path last, pick another --out, or pass --overwrite"
-            )
-        for name in earlier:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
 @dataclass
 class FitResult:
     run_dir: Path
@@ -229,18 +208,12 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
             f"data.batch_size={data.hparams.batch_size} does not split evenly over the {layout.replicas} "
             "processes that share each task"
         )
-    expected = {
-        "tasks": list(data.task_names),
-        "steps": module.hparams.steps,
-        "iterations": module.hparams.iterations,
-        "steps_per_phase": module.hparams.steps // module.hparams.iterations,
-        "world_size": world_size,
-    }
-    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), run_dir, expected)
+    expected = run_identity(data.task_names, module.hparams.steps, module.hparams.iterations, world_size)
+    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), RunFolder(run_dir).checkpoints_dir, expected)
     if trainer.is_global_zero and launch_rank() == 0:
         if cli.config.get("ckpt_path") is not None:
             print(f"mima fit: resuming from {ckpt_path}" if ckpt_path else "mima fit: no checkpoint yet, starting fresh")
-        write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
+        RunFolder(run_dir).write_config(cli.parser.dump(cli.config, skip_none=False))
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     checkpoint = trainer.checkpoint_callback
     preempted_by = getattr(checkpoint, "preempted_by", None)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 StateDict = dict[str, torch.Tensor]
 TensorMap = Mapping[str, torch.Tensor]
@@ -116,3 +116,9 @@ def mean_off_diagonal(matrix: torch.Tensor) -> float:
         return float("nan")
     mask = ~torch.eye(count, dtype=torch.bool)
     return float(matrix[mask].mean())
+
+
+def task_vector_cosines(base: TensorMap, models: Sequence[TensorMap]) -> torch.Tensor:
+    """Pairwise cosine of the task vectors tau_t = theta_t - theta_0 over all floating tensors."""
+    keys = [key for key, value in base.items() if is_mergeable(value)]
+    return cosine_matrix([difference(model, base, keys) for model in models], keys)

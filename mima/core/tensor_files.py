@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
+from mima.core.files import atomic_path
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -138,10 +139,8 @@ class SafetensorsWriter:
         self._written = 0
 
     def __enter__(self) -> SafetensorsWriter:
-        if self.path.exists() and not self.overwrite:
-            raise MimaError(f"{self.path}: already exists (pass --overwrite to replace it)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._atomic = atomic_path(self.path, overwrite=self.overwrite)  # refuses before anything is written
+        self._temporary = self._atomic.__enter__()
         self._file = open(self._temporary, "wb")
         self._file.write(self._header)
         return self
@@ -160,16 +159,13 @@ class SafetensorsWriter:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         complete = exc_type is None and self._written == len(self._expected)
-        try:
-            if complete:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            self._file.close()
-            if complete:
-                os.chmod(self._temporary, 0o644)
-                os.replace(self._temporary, self.path)
-        finally:
-            if self._temporary.exists():
-                self._temporary.unlink()
-        if exc_type is None and not complete:
-            raise RuntimeError(f"the merge stopped before tensor '{self._expected[self._written][0]}'")
+        self._file.close()
+        if complete:
+            self._atomic.__exit__(None, None, None)  # fsync, then rename onto the target
+            return
+        stopped = exc if exc is not None else RuntimeError(
+            f"the merge stopped before tensor '{self._expected[self._written][0]}'"
+        )
+        self._atomic.__exit__(type(stopped), stopped, traceback)  # removes the temporary file
+        if exc_type is None:
+            raise stopped

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 
 def allowed_world_sizes(num_tasks: int, largest: int = 64) -> list[int]:

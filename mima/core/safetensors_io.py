@@ -2,58 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
+from mima.core.files import atomic_path
 
 StateDict = dict[str, torch.Tensor]
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
-
-    A crash mid-write leaves the previous file (if any) untouched, and a failed write leaves
-    nothing behind. With `overwrite=False` an existing file is an error, raised before any work.
-    """
-    target = Path(path)
-    if not overwrite and target.exists():
-        raise MimaError(f"{target}: already exists (pass --overwrite to replace it)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def save_state_dict(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mima.errors import MimaError
+from mima.core.errors import MimaError
 
 
 def check_budget(

@@ -1,0 +1,78 @@
+"""Writing files so that nothing is lost: one atomic write, one refusal to overwrite.
+
+Every file mima writes goes through `atomic_path`: the bytes land in a temporary file beside the
+target, are flushed to disk, and are renamed onto the target only when the write succeeded. A crash
+or a signal mid-write leaves the previous file (if any) untouched and no partial file behind.
+Every command that writes outputs asks `refuse_overwrite` first, before any work starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from mima.core.errors import MimaError
+
+
+def refuse_overwrite(paths: Iterable[str | os.PathLike], what: str | None = None, hint: str = "pass --overwrite") -> None:
+    """Raise a MimaError naming the first existing path (or `what`, e.g. '--out DIR') unless none exists."""
+    existing = [Path(path) for path in paths if Path(path).exists() or Path(path).is_symlink()]
+    if not existing:
+        return
+    if what is None:
+        raise MimaError(f"{existing[0]}: already exists ({hint} to replace it)")
+    names = ", ".join(path.name for path in existing)
+    raise MimaError(f"{what}: already holds {names}; {hint} or choose another")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
+
+    With `overwrite=False` an existing file is an error, raised before any work.
+    """
+    target = Path(path)
+    if not overwrite:
+        refuse_overwrite([target])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if fsync:  # the data must be on disk before the rename makes it the file
+            with open(tmp, "rb+") as stream:
+                os.fsync(stream.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, overwrite: bool = True) -> None:
+    with atomic_path(path, overwrite=overwrite) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object, overwrite: bool = True) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n", overwrite=overwrite)
+
+
+def replace_symlink(target_name: str, link: Path) -> None:
+    """Point `link` at `target_name` (relative), atomically: a new link renamed over the old one."""
+    temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    if temporary.is_symlink() or temporary.exists():
+        temporary.unlink()
+    os.symlink(target_name, temporary)
+    os.replace(temporary, link)

@@ -1,0 +1,251 @@
+"""The run-folder contract: the one module that knows the file names a run or a sweep consists of.
+
+A run folder, written by `mima fit` (and read by merge, evaluate, analyze, report):
+
+    config.yaml                 the full config of the run (every value, defaults included)
+    pretrained.safetensors      theta_0, the image encoder before fine-tuning
+    final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata)
+    metrics.jsonl               one JSON object per phase: phase, step, mean_cos_tau, cos_tau, loss, ...
+    checkpoints/                per-process resumable checkpoints (layout: mima.training.checkpointing)
+    logs/                       Lightning's CSV logger
+    analysis/<name>/            outputs of `mima analyze <name>`
+    evaluation/                 a sweep folder's results files for this run alone (the SLURM array's
+                                `mima evaluate RUN --out RUN/evaluation`)
+    report.md, report.html      `mima report`
+
+A sweep folder, written by `mima demo`, `mima evaluate --out` and benchmarks/offline_suite.py:
+
+    runs/N<n>/                  one run folder per N (the demo and offline sweeps)
+    results.json .csv .md       the Table-1 rows; selection.json: the chosen merge hyperparameters
+    merged_accuracy_vs_N.png, cosine_vs_N.png
+    analysis/<name>/, report.md, report.html
+
+Every other module reads and writes these files through RunFolder and SweepFolder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from mima.core.errors import MimaError
+from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
+from mima.core.safetensors_io import load_state_dict, save_state_dict
+
+StateDict = dict[str, torch.Tensor]
+
+REPORT_FILES = ("report.md", "report.html")
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A `mima fit` run folder."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    # ---------------------------------------------------------------------------- names
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def pretrained_file(self) -> Path:
+        return self.path / "pretrained.safetensors"
+
+    @property
+    def final_dir(self) -> Path:
+        return self.path / "final"
+
+    def final_file(self, task: str) -> Path:
+        return self.final_dir / f"{task}.safetensors"
+
+    def final_metadata_file(self, task: str) -> Path:
+        return self.final_dir / f"{task}.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    def analysis_dir(self, name: str) -> Path:
+        return self.path / "analysis" / name
+
+    def analysis_dirs(self) -> list[Path]:
+        return sorted(p for p in (self.path / "analysis").glob("*") if p.is_dir())
+
+    @property
+    def evaluation(self) -> SweepFolder:
+        return SweepFolder(self.path / "evaluation")
+
+    def report_files(self) -> list[Path]:
+        return [self.path / name for name in REPORT_FILES]
+
+    def training_outputs(self) -> list[Path]:
+        """What `mima fit` writes (and `--overwrite` removes)."""
+        return [self.config_file, self.pretrained_file, self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
+
+    # ---------------------------------------------------------------------------- state
+    def has_metrics(self) -> bool:
+        return self.metrics_file.is_file()
+
+    def is_finished(self) -> bool:
+        return any(self.final_dir.glob("*.json"))
+
+    # ----------------------------------------------------------------------------- read
+    def config_dict(self) -> dict:
+        """config.yaml as plain YAML (typed loading: mima.training.run_config.load_run_config)."""
+        if not self.config_file.is_file():
+            raise MimaError(f"{self.path}: no config.yaml (is this a `mima fit` run folder?)")
+        try:
+            loaded = yaml.safe_load(self.config_file.read_text())
+        except yaml.YAMLError as exc:
+            raise MimaError(f"{self.config_file}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise MimaError(f"{self.config_file}: expected a mapping with model:, data:, trainer: sections")
+        return loaded
+
+    def task_order(self) -> list[str]:
+        """Tasks in run order (as the metadata of the final checkpoints lists them)."""
+        metadata_files = sorted(self.final_dir.glob("*.json"))
+        if not metadata_files:
+            raise MimaError(f"{self.path}: no final/<task>.json files (is this a finished `mima fit` run folder?)")
+        return list(json.loads(metadata_files[0].read_text())["tasks"])
+
+    def final_metadata(self, task: str) -> dict:
+        return json.loads(self.final_metadata_file(task).read_text())
+
+    def iterations(self) -> int:
+        """N of the run, from its final checkpoints' metadata."""
+        return int(self.final_metadata(self.task_order()[0])["N"])
+
+    def pretrained(self) -> StateDict:
+        return load_state_dict(self.pretrained_file)
+
+    def final(self, task: str) -> StateDict:
+        return load_state_dict(self.final_file(task))
+
+    def final_files(self) -> list[Path]:
+        return [self.final_file(task) for task in self.task_order()]
+
+    def phase_records(self) -> list[dict]:
+        if not self.metrics_file.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    # ---------------------------------------------------------------------------- write
+    def prepare(self, resuming: bool, overwrite: bool) -> None:
+        """Refuse to clobber an earlier run unless resuming it or asked to overwrite it."""
+        earlier = [path for path in self.training_outputs() if path.exists()]
+        if earlier and not resuming:
+            if not overwrite:
+                raise MimaError(
+                    f"--out {self.path}: already holds a run ({', '.join(p.name for p in earlier)}); "
+                    "resume it with --ckpt_path last, pick another --out, or pass --overwrite"
+                )
+            for path in earlier:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, text: str) -> None:
+        write_text_atomic(self.config_file, text)
+
+    def write_pretrained(self, state: Mapping[str, torch.Tensor]) -> None:
+        """theta_0, once: a resumed run keeps the file the run started with."""
+        if not self.pretrained_file.exists():
+            save_state_dict(self.pretrained_file, state, metadata={"role": "theta_0"})
+
+    def write_final(self, task: str, weights: Mapping[str, torch.Tensor], metadata: dict) -> None:
+        save_state_dict(self.final_file(task), weights, metadata={"mima": metadata})
+        write_json_atomic(self.final_metadata_file(task), metadata)
+
+    def append_phase_record(self, record: dict) -> None:
+        lines = [json.dumps(r) for r in self.phase_records()] + [json.dumps(record)]
+        write_text_atomic(self.metrics_file, "".join(line + "\n" for line in lines))
+
+    def trim_phase_records(self, global_step: int) -> None:
+        """Keep only the phases that the state being (re)started from has already completed."""
+        if not self.metrics_file.exists():
+            return
+        kept = [json.dumps(r) for r in self.phase_records() if r["global_step"] <= global_step]
+        write_text_atomic(self.metrics_file, "".join(line + "\n" for line in kept))
+
+
+@dataclass(frozen=True)
+class SweepFolder:
+    """A folder of runs over N with their results table (`mima demo`, `mima evaluate --out`)."""
+
+    path: Path
+
+    RESULT_FILES = ("results.json", "results.csv", "results.md", "selection.json")
+    ACCURACY_PLOT = "merged_accuracy_vs_N.png"
+    COSINE_PLOT = "cosine_vs_N.png"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.path / "runs"
+
+    def run(self, iterations: int) -> RunFolder:
+        return RunFolder(self.runs_dir / f"N{iterations}")
+
+    def runs(self) -> list[RunFolder]:
+        """The run folders under runs/ that have phase records, in order of N."""
+        if not self.runs_dir.is_dir():
+            return []
+        found = [RunFolder(p) for p in self.runs_dir.iterdir() if p.is_dir() and RunFolder(p).has_metrics()]
+        return sorted(found, key=lambda run: (len(run.path.name), run.path.name))
+
+    def result_file(self, name: str) -> Path:
+        if name not in self.RESULT_FILES:
+            raise ValueError(f"{name} is not a result file of a sweep")
+        return self.path / name
+
+    @property
+    def results_json(self) -> Path:
+        return self.path / "results.json"
+
+    @property
+    def selection_json(self) -> Path:
+        return self.path / "selection.json"
+
+    def plot_file(self, name: str) -> Path:
+        return self.path / name
+
+    def analysis_dir(self, name: str) -> Path:
+        return self.path / "analysis" / name
+
+    def analysis_dirs(self) -> list[Path]:
+        return sorted(p for p in (self.path / "analysis").glob("*") if p.is_dir())
+
+    def report_files(self) -> list[Path]:
+        return [self.path / name for name in REPORT_FILES]
+
+    def has_results(self) -> bool:
+        return self.results_json.is_file()
+
+    def is_sweep(self) -> bool:
+        return self.has_results() and self.runs_dir.is_dir()
+
+    def prepare(self, overwrite: bool) -> None:
+        """Refuse to replace an earlier results table unless asked; create the folder."""
+        if not overwrite:
+            refuse_overwrite([self.path / name for name in self.RESULT_FILES], what=f"--out {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,131 @@
+"""The one typed run configuration: what every command reads from a config file or a run folder.
+
+`mima fit` parses its config with LightningCLI, whose `model:` and `data:` arguments are the
+signatures of MimaModule and TaskSuiteDataModule: their defaults are the only defaults. Every other
+command (merge --config, evaluate, the sweeps and the demo, each analysis, report) loads a config
+through `load_run_config`, which parses the same two sections against the same signatures with the
+same parser library, so it gets exactly the values `mima fit` used, defaults included. A run folder's
+config.yaml (written by `mima fit` with every value spelled out) loads the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ArgumentParser, Namespace
+
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
+from mima.data.datamodule import TaskSuiteDataModule
+from mima.training.module import MimaModule
+
+SECTIONS = ("model", "data")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The `model:` and `data:` sections of a run, every value checked against its type and every
+    default filled in from the signatures of MimaModule and TaskSuiteDataModule."""
+
+    model: Namespace
+    data: Namespace
+    seed: int = 0  # seed_everything
+    source: str = "config"  # where it came from, for messages
+    other: dict[str, Any] = field(default_factory=dict)  # trainer: and the fit options, as written
+
+    def model_args(self) -> dict[str, Any]:
+        return _plain(self.model)
+
+    def data_args(self) -> dict[str, Any]:
+        return _plain(self.data)
+
+    def datamodule(self) -> TaskSuiteDataModule:
+        """The data of the run's tasks (nothing is loaded until a task's splits are asked for)."""
+        return TaskSuiteDataModule(**self.data_args())
+
+    def as_dict(self) -> dict[str, Any]:
+        """A config dict that `mima fit` (run_fit) accepts and that reproduces this configuration."""
+        return {**copy.deepcopy(self.other), "seed_everything": self.seed, "model": self.model_args(), "data": self.data_args()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Namespace):
+        return {key: _plain(item) for key, item in value.as_dict().items()}
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
+    return value
+
+
+_PARSER: ArgumentParser | None = None
+
+
+def _parser() -> ArgumentParser:
+    """The model and data arguments exactly as LightningCLI declares them for `mima fit`."""
+    global _PARSER
+    if _PARSER is None:
+        os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(MimaModule, "model", fail_untyped=False, sub_configs=True)
+        parser.add_class_arguments(TaskSuiteDataModule, "data", fail_untyped=False, sub_configs=True)
+        _PARSER = parser
+    return _PARSER
+
+
+def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfig:
+    """The run configuration of a config file, a run folder (its config.yaml) or a parsed dict."""
+    if isinstance(source, Mapping):
+        return parse_run_config(source, "config")
+    folder = source if isinstance(source, RunFolder) else RunFolder(Path(source))
+    if folder.path.is_dir():
+        return parse_run_config(folder.config_dict(), str(folder.config_file))
+    path = Path(source)
+    if not path.is_file():
+        raise MimaError(f"--config {path}: no such file or run folder")
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise MimaError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, Mapping):
+        raise MimaError(f"--config {path}: expected a mapping with model:, data:, trainer: sections")
+    return parse_run_config(raw, f"--config {path}")
+
+
+def parse_run_config(raw: Mapping, source: str = "config") -> RunConfig:
+    sections = {}
+    for name in SECTIONS:
+        value = raw.get(name) or {}
+        if not isinstance(value, Mapping):
+            raise MimaError(f"{source}: '{name}:' must be a mapping of options, got {type(value).__name__}")
+        sections[name] = dict(value)
+    try:
+        parsed = _parser().parse_object(sections)
+    except Exception as exc:  # jsonargparse's ArgumentError / ValueError: a user's config mistake
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, MimaError):
+            raise cause from None
+        raise MimaError(f"{source}: {config_error_text(exc)}") from None
+    seed = raw.get("seed_everything", 0)
+    if seed is True or seed is None:
+        seed = 0
+    other = {key: copy.deepcopy(value) for key, value in raw.items() if key not in (*SECTIONS, "seed_everything")}
+    return RunConfig(model=parsed.model, data=parsed.data, seed=int(seed), source=source, other=other)
+
+
+def config_error_text(exc: BaseException) -> str:
+    """jsonargparse's message on one line: 'Parser key "model.steps": Expected a <class 'int'>. Got value: x'."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
+    return text if len(text) <= 400 else text[:400] + " ..."

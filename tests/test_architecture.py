@@ -1,0 +1,194 @@
+"""The import rules of the package, read from the source (every `import`, also inside functions).
+
+    core  <-  data  <-  models  <-  training            (one direction: a lower layer never imports a higher one)
+    core  <-  merging                                   (strategies and the streaming engine: core only)
+    core, models  <-  evaluation
+    pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
+    analysis, then the commands (sweep, demo, report, merge_command, convert), then the CLI
+    nothing imports the CLI
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mima.core.safetensors_io import save_state_dict
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mima"
+
+# layer -> the layers its modules may import (a layer may always import itself)
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "data": {"core"},
+    "models": {"core", "data"},
+    "training": {"core", "data", "models"},
+    "merging": {"core"},
+    "evaluation": {"core", "data", "models"},
+    "pools": {"core", "data", "models", "training", "merging", "evaluation"},
+    "analysis": {"core", "data", "models", "training", "merging", "evaluation", "pools"},
+    "commands": {"core", "data", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
+    "cli": {"core", "data", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
+    "package": set(),  # mima/__init__.py
+}
+# third-party packages a layer must not import (the core and the merge engine stay light)
+FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
+    "core": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
+    "merging": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
+    "data": {"lightning.pytorch.callbacks"},
+}
+COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.convert"}
+
+
+def layer_of(module: str) -> str:
+    if module in ("mima", "mima.__init__"):
+        return "package"
+    if module in ("mima.cli", "mima.__main__"):
+        return "cli"
+    if module in COMMAND_MODULES:
+        return "commands"
+    if module == "mima.pools":
+        return "pools"
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ALLOWED:
+        return parts[1]
+    raise AssertionError(f"{module}: no layer assigned; add it to tests/test_architecture.py")
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module named by an import statement anywhere in the source (relative imports resolved)."""
+    found: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from mima import cli`
+    return found
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """The broken rules in {module name: source}, one line each."""
+    problems = []
+    known = set(sources)
+    for module, source in sources.items():
+        layer = layer_of(module)
+        for target in sorted(imported_modules(source, module)):
+            if target.split(".")[0] == "mima":
+                if target not in known and target.rsplit(".", 1)[0] in known:
+                    target = target.rsplit(".", 1)[0]  # `from mima.x import name`: the module is mima.x
+                if target in ("mima", module):
+                    continue
+                target_layer = layer_of(target)
+                if target_layer == "cli" and layer != "cli":
+                    problems.append(f"{module} imports the CLI ({target})")
+                elif target_layer != layer and target_layer not in ALLOWED[layer]:
+                    problems.append(f"{module} ({layer}) imports {target} ({target_layer})")
+            else:
+                for banned in FORBIDDEN_LIBRARIES.get(layer, ()):
+                    if target == banned or target.startswith(banned + "."):
+                        problems.append(f"{module} ({layer}) imports {target}")
+    return problems
+
+
+def package_sources() -> dict[str, str]:
+    return {module_name(path): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_the_package_follows_its_import_rules():
+    assert violations(package_sources()) == []
+
+
+@pytest.mark.parametrize(
+    "module, added, expected",
+    [
+        ("mima.core.state_dicts", "from mima.training.module import MimaModule", "mima.core.state_dicts (core) imports mima.training.module (training)"),
+        ("mima.data.sampler", "from mima.training import module", "mima.data.sampler (data) imports mima.training.module (training)"),
+        ("mima.merging.ties", "import mima.pools", "mima.merging.ties (merging) imports mima.pools (pools)"),
+        ("mima.merging.cart", "    from mima.data.registry import SUITES", "mima.merging.cart (merging) imports mima.data.registry (data)"),
+        ("mima.core.plan", "import lightning", "mima.core.plan (core) imports lightning"),
+        ("mima.merging.engine", "from open_clip import create_model", "mima.merging.engine (merging) imports open_clip"),
+        ("mima.report", "from mima.cli import main", "mima.report imports the CLI (mima.cli)"),
+        ("mima.training.sync", "from mima.pools import TaskPool", "mima.training.sync (training) imports mima.pools (pools)"),
+    ],
+)
+def test_an_added_forbidden_import_is_caught(module, added, expected):
+    sources = package_sources()
+    assert module in sources
+    if added.startswith(" "):  # an import inside a function counts too
+        sources[module] += f"\n\ndef _late():\n{added}\n"
+    else:
+        sources[module] = f"{added}\n" + sources[module]
+    assert expected in violations(sources)
+
+
+def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
+    """`mima merge` of plain files must not pay for (or depend on) the training stack."""
+    base = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    save_state_dict(tmp_path / "base.safetensors", base)
+    for name, shift in (("a", 1.0), ("b", 3.0)):
+        save_state_dict(tmp_path / f"{name}.safetensors", {key: value + shift for key, value in base.items()})
+    script = (
+        "import sys; from mima.cli import main; "
+        f"code = main(['merge', '--method', 'task_arithmetic', '--base', '{tmp_path}/base.safetensors', "
+        f"'--models', '{tmp_path}/a.safetensors', '{tmp_path}/b.safetensors', '--output', '{tmp_path}/m.safetensors', '--lam', '0.5']); "
+        "heavy = sorted(m for m in ('lightning', 'open_clip', 'pytorch_lightning', 'matplotlib') if m in sys.modules); "
+        "print('LOADED', heavy); sys.exit(code)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stdout, result.stdout
+    from mima.core.safetensors_io import load_state_dict
+
+    merged = load_state_dict(tmp_path / "m.safetensors")
+    assert torch.equal(merged["w"], torch.full((3, 2), 0.5 * (1.0 + 3.0)))  # theta_0 + lam * (tau_a + tau_b)
+
+
+# `mima fit`'s builder reads the task count to size the strategy before anything is fitted
+BUILDERS = {"mima.training.trainer", "mima.training.run_config"}
+
+
+def cross_reads(sources: dict[str, str]) -> list[str]:
+    """Training code that reads the datamodule's attributes (other than the one `connect` call), and
+    data code that reaches for the LightningModule: they must exchange what they need through
+    `TaskSuiteDataModule.connect` instead."""
+    problems = []
+    for module, source in sources.items():
+        layer = layer_of(module)
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            during_fit = layer == "training" and module not in BUILDERS
+            if during_fit and owner_name == "datamodule" and node.attr != "connect":
+                problems.append(f"{module} reads datamodule.{node.attr}")
+            if layer == "data" and node.attr == "lightning_module":
+                problems.append(f"{module} reads trainer.lightning_module")
+    return problems
+
+
+def test_module_and_datamodule_meet_only_in_connect():
+    sources = package_sources()
+    assert cross_reads(sources) == []
+    sources["mima.training.sync"] += "\n\ndef _seed(trainer):\n    return trainer.datamodule.hparams.seed\n"
+    sources["mima.data.datamodule"] += "\n\ndef _plan(self):\n    return self.trainer.lightning_module.plan\n"
+    assert cross_reads(sources) == ["mima.data.datamodule reads trainer.lightning_module", "mima.training.sync reads datamodule.hparams"]

@@ -1,0 +1,121 @@
+"""`mima merge`'s hyperparameter flags come from the registry's declarations, and its results carry the notes.
+
+The flag checks run before any file is read, so most tests here need no checkpoints at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from mima.cli import main
+from mima.merge_command import add_arguments, given_hyperparameters, report_results
+from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
+from mima.merging.selection import Selection
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mima merge")
+    add_arguments(parser)
+    return parser
+
+
+def _one_line_error(argv, capsys, tmp_path) -> str:
+    code = main(["merge", *argv, "--models", str(tmp_path / "a.safetensors"), "--output", str(tmp_path / "out.safetensors")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert not (tmp_path / "out.safetensors").exists()
+    return err[0]
+
+
+def test_help_lists_a_flag_for_every_declared_hyperparameter(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["merge", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for spec in HYPERPARAMETERS.values():
+        assert spec.flag in text, spec.flag
+        takers = [m.name for m in MERGE_METHODS.values() if spec.name in m.defaults]
+        assert takers and all(name in text for name in takers)
+
+
+@pytest.mark.parametrize("method", sorted(MERGE_METHODS))
+def test_each_default_given_as_a_flag_parses_back_to_itself(method):
+    """The flag's type, choices and nargs read what the strategy declares: `--x <default>` gives the default."""
+    defaults = MERGE_METHODS[method].defaults
+    argv = ["--method", method, "--models", "a", "--output", "o"]
+    for name, value in defaults.items():
+        words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+        argv += [HYPERPARAMETERS[name].flag, *words]
+    given = given_hyperparameters(_parser().parse_args(argv), MERGE_METHODS[method])
+    assert given == defaults
+    assert all(type(given[name]) is type(value) for name, value in defaults.items())
+
+
+def test_several_values_for_a_many_valued_flag():
+    options = _parser().parse_args(["--method", "tall", "--models", "a", "--output", "o", "--mask-lam", "0.2", "0.5"])
+    assert given_hyperparameters(options, get_method("tall")) == {"mask_lam": [0.2, 0.5]}
+
+
+@pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
+def test_a_wrong_value_on_the_command_line_is_one_line_naming_the_flag(name, capsys, tmp_path):
+    spec = HYPERPARAMETERS[name]
+    method = next(m for m in MERGE_METHODS.values() if name in m.defaults)
+    candidates = ["nan", "-1", "0", "1.5", "120", "0.5", "bogus", "("]
+    wrong = next(word for word in candidates if _rejects(spec, word))
+    line = _one_line_error(["--method", method.name, spec.flag, wrong], capsys, tmp_path)
+    assert spec.flag in line or f"argument {spec.flag}" in line, line
+
+
+def _rejects(spec, word: str) -> bool:
+    try:
+        value = spec.from_command_line([spec.type(word)] if spec.many else spec.type(word))
+    except ValueError:
+        return True  # argparse refuses the word itself
+    return (spec.choices is not None and value not in spec.choices) or not spec.accepts(value)
+
+
+@pytest.mark.parametrize("method", sorted(MERGE_METHODS))
+def test_a_flag_the_method_does_not_take_is_one_line(method, capsys, tmp_path):
+    spec = next(s for s in HYPERPARAMETERS.values() if s.name not in MERGE_METHODS[method].defaults)
+    value = spec.choices[0] if spec.choices else "1"
+    line = _one_line_error(["--method", method, spec.flag, value], capsys, tmp_path)
+    assert f"{spec.flag} does not apply to merge method '{method}'" in line
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--mode", "soft", "--lam", "0.5"], "--lam is not used with --mode=soft"),
+        (["--mode", "soft", "--start", "pretrained"], "--start is not used with --mode=soft"),
+        (["--start", "task_arithmetic", "--ada-steps", "5"], "--ada-steps is not used with --mode=hard, --start=task_arithmetic"),
+    ],
+)
+def test_a_flag_the_chosen_mode_does_not_use_is_one_line(argv, fragment, capsys, tmp_path):
+    line = _one_line_error(["--method", "fw_merging", *argv], capsys, tmp_path)
+    assert fragment in line, line
+
+
+class _FixedEvaluator:
+    def accuracy(self, state, tasks=None):
+        return {"a": 0.5, "b": 1.0}
+
+
+class _Pool:
+    tasks = ["a", "b"]
+
+    def evaluator(self, split):
+        return _FixedEvaluator()
+
+
+def test_results_carry_the_selections_notes(tmp_path):
+    notes = {"coefficients": [[0.25, 0.75]], "entropy_before": 2.0, "entropy_after": 1.5}
+    selection = Selection("adamerging", {"steps": 3}, None, [], {"w": torch.zeros(1)}, notes)
+    report_results(tmp_path / "m.safetensors", get_method("adamerging"), selection, _Pool())
+    report = json.loads((tmp_path / "m.safetensors.results.json").read_text())
+    assert report["notes"] == notes and report["test_accuracy"] == {"a": 0.5, "b": 1.0, "mean": 0.75}
+    report_results(tmp_path / "u.safetensors", get_method("uniform"), Selection("uniform", {}, None, [], {"w": torch.zeros(1)}), _Pool())
+    assert json.loads((tmp_path / "u.safetensors.results.json").read_text())["notes"] is None

@@ -1,0 +1,108 @@
+"""One run configuration: every command sees the values `mima fit` used, defaults included."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mima.cli import main
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
+from mima.data.datamodule import TaskSuiteDataModule
+from mima.pools import model_pool
+from mima.training.module import MimaModule
+from mima.training.run_config import load_run_config
+from mima.training.trainer import run_fit
+from tests.conftest import fit_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TASKS = ["rot90", "mirror"]
+
+
+def test_defaults_are_the_signatures_of_the_module_and_the_datamodule():
+    config = load_run_config({"model": {"clip": "embedded:tiny-digits"}})
+    for section, cls in (("model", MimaModule), ("data", TaskSuiteDataModule)):
+        values = getattr(config, f"{section}_args")()
+        for name, parameter in inspect.signature(cls.__init__).parameters.items():
+            if name == "self":
+                continue
+            expected = parameter.default if name != "clip" else "embedded:tiny-digits"
+            assert values[name] == expected, (section, name)
+    assert config.model.pretrained == "openai"  # MimaModule's default, not a second one
+
+
+def test_a_run_folder_written_before_this_change_still_loads():
+    """tests/fixtures/run_config_v0.1.yaml is the config.yaml of a demo run written by mima 0.1.0."""
+    raw = yaml.safe_load((FIXTURES / "run_config_v0.1.yaml").read_text())
+    config = load_run_config(FIXTURES / "run_config_v0.1.yaml")
+    assert config.model_args() == raw["model"]
+    assert config.data_args() == raw["data"]
+    assert config.seed == raw["seed_everything"] and config.other["trainer"] == raw["trainer"]
+
+
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        ({"model": {"clipp": "x"}}, "clipp"),
+        ({"model": {"steps": "many"}}, "model.steps"),
+        ({"model": {"optimizer_state": "sometimes"}}, "model.optimizer_state"),
+        ({"data": {"seed": "x"}}, "data.seed"),
+        ({"data": ["digits"]}, "'data:' must be a mapping"),
+    ],
+)
+def test_a_bad_config_is_one_clear_error_naming_the_key(section, fragment):
+    with pytest.raises(MimaError) as error:
+        load_run_config({"model": {"clip": "embedded:tiny-digits"}, **section} if "model" not in section else section)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- model\n- data\n")
+    with pytest.raises(MimaError, match="expected a mapping"):
+        load_run_config(path)
+    with pytest.raises(MimaError, match="no such file"):
+        load_run_config(tmp_path / "missing.yaml")
+
+
+def test_a_config_without_pretrained_gives_the_same_model_everywhere(tmp_path, small_clip, monkeypatch, capsys):
+    """The regression: fit trained on MimaModule's default `pretrained` while merge, evaluate and the
+    analyses loaded the config with a default of their own (random weights)."""
+    import mima.pools
+    import mima.training.module
+
+    loads: list[tuple[str, str, object]] = []
+
+    def recorder(where, original):
+        def load_clip(name, pretrained=None, cache_dir=None):
+            loads.append((where, name, pretrained))
+            return original(name, pretrained, cache_dir=cache_dir)
+
+        return load_clip
+
+    monkeypatch.setattr(mima.training.module, "load_clip", recorder("fit", mima.training.module.load_clip))
+    monkeypatch.setattr(mima.pools, "load_clip", recorder("pool", mima.pools.load_clip))
+
+    config = fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1)
+    assert "pretrained" not in config["model"]
+    config_file = tmp_path / "hand-written.yaml"
+    config_file.write_text(yaml.safe_dump({k: v for k, v in config.items() if k != "out"}))
+    run = RunFolder(run_fit(config).run_dir)
+
+    assert main(["merge", "--method", "uniform", "--models", str(run.path), "--config", str(config_file),
+                 "--output", str(tmp_path / "m.safetensors")]) == 0
+    assert main(["evaluate", str(run.path), "--out", str(tmp_path / "evaluation"), "--merges", "uniform"]) == 0
+    analysis_pool = model_pool([run.path]).task_pool()  # what every analysis that needs data builds
+    capsys.readouterr()
+
+    fit_loads = [(name, pretrained) for where, name, pretrained in loads if where == "fit"]
+    pool_loads = [(name, pretrained) for where, name, pretrained in loads if where == "pool"]
+    assert fit_loads == [(small_clip, "openai")]
+    assert len(pool_loads) == 3 and set(pool_loads) == set(fit_loads)
+    theta_0 = run.pretrained()
+    for key, value in analysis_pool.encoder.state_dict().items():
+        assert torch.equal(value, theta_0[key]), key
