@@ -112,6 +112,8 @@ def demo_command(argv: Sequence[str]) -> None:
     )
     parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES),
                         help=f"data-free merge strategies to compare (default: {' '.join(DEMO_MERGES)})")
+    parser.add_argument("--no-joint", action="store_true",
+                        help="skip the joint multi-task baseline (one model trained on all tasks, same S)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
@@ -127,6 +129,7 @@ def demo_command(argv: Sequence[str]) -> None:
         overwrite=options.overwrite,
         progress=not options.no_progress,
         merges=options.merges,
+        joint=not options.no_joint,
     )
 
 
@@ -150,7 +153,8 @@ def evaluate_command(argv: Sequence[str]) -> None:
         "model, and each merge with hyperparameters chosen on the validation splits; writes results.json/.csv/.md, "
         "selection.json and plots.",
     )
-    parser.add_argument("runs", type=Path, nargs="+", help="run folders (each with config.yaml, pretrained and final/)")
+    parser.add_argument("runs", type=Path, nargs="+",
+                        help="`mima fit` run folders (one per N; at most one joint run, model.mode: joint, adds a `joint` row)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results table and plots")
     parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="data-free merge strategies to compare")
     parser.add_argument("--no-select", action="store_true", help="the papers' fixed hyperparameters, no validation search")

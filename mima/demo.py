@@ -6,7 +6,9 @@
 3. Merge each run's task models with the four strategies in DEMO_MERGES (uniform, task arithmetic,
    TIES, CART; `--merges` picks any other data-free strategies); hyperparameters are chosen on the
    validation split (carved from train), accuracy is reported on the test split.
-4. Write results.json / .csv / .md, selection.json and two plots; print the table.
+4. Train the joint multi-task baseline once (model.mode: joint: one encoder, every step on a batch
+   of every task, the same S; `--no-joint` skips it) and add its `joint` row.
+5. Write results.json / .csv / .md, selection.json and two plots; print the table.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def run_demo(
     overwrite: bool = False,
     progress: bool = True,
     merges: Sequence[str] = DEMO_MERGES,
+    joint: bool = True,
 ) -> list[ModelResult]:
     """The demo sweep (`mima.sweep.run_sweep` on configs/demo.yaml)."""
     config = demo_config(steps, lr_schedule)
@@ -58,6 +61,7 @@ def run_demo(
         progress=progress,
         title="mima demo: MIMA on the embedded digits tasks",
         extra={"lr_schedule": config["model"]["lr_schedule"]},
+        joint=joint,
     )
     print(f"One page with every table and plot: mima report {out_dir}; why the merges work: mima analyze --help")
     return results

@@ -18,11 +18,11 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
-from mima.evaluation.report import ModelResult, markdown_text, write_results
+from mima.evaluation.report import ModelResult, markdown_text, training_setup, write_results
 from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.selection import merge_with_defaults, select_on_validation
-from mima.core.run_folder import RunFolder, SweepFolder
+from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.core.plan import check_budget
 from mima.pools import task_pool
@@ -40,9 +40,11 @@ def run_sweep(
     progress: bool = True,
     title: str = "mima sweep",
     extra: dict | None = None,
+    joint: bool = False,
 ) -> list[ModelResult]:
     """Fit `config` (a `mima fit` config dict) once per N in `iterations` (runs in the sweep folder's
-    runs/N<n>), then `evaluate_runs`."""
+    runs/N<n>), and with `joint` once more as the joint multi-task baseline (runs/joint: one model
+    trained on all tasks for the same S steps), then `evaluate_runs`."""
     started = time.time()
     steps = int(load_run_config(config).model.steps)  # checked and defaulted as `mima fit` would
     for n in iterations:
@@ -53,14 +55,17 @@ def run_sweep(
     _quiet_lightning()
     print(f"{title}: S={steps} steps per task, N in {list(iterations)}")
     run_dirs = []
-    for n in iterations:
+    settings = [({"iterations": n}, sweep.run(n), f"N={n}") for n in iterations]
+    if joint:
+        settings.append(({"mode": JOINT, "iterations": 1}, sweep.joint_run(), "joint"))
+    for model_settings, run_folder, label in settings:
         run_started = time.time()
         run_config = copy.deepcopy(dict(config))
-        run_config["model"] = {**run_config.get("model", {}), "iterations": n}
+        run_config["model"] = {**run_config.get("model", {}), **model_settings}
         run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
-        run_config.update(out=str(sweep.run(n).path), overwrite=True)
+        run_config.update(out=str(run_folder.path), overwrite=True)
         run_dirs.append(run_fit(run_config).run_dir)
-        print(f"N={n}: trained in {time.time() - run_started:.0f} s")
+        print(f"{label}: trained in {time.time() - run_started:.0f} s")
     return evaluate_runs(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
         extra=extra, started=started,
@@ -79,17 +84,22 @@ def evaluate_runs(
 ) -> list[ModelResult]:
     """Evaluate finished runs of the same tasks and model (typically one per N): theta_0 with the
     frozen heads, each task model on its task, and every merge (hyperparameters chosen on the
-    validation split); write the results table and plots to `out_dir`."""
+    validation split); a joint multi-task run among them adds a `joint` row to every N; write the
+    results table and plots to `out_dir`."""
     started = started or time.time()
     methods = _data_free_per_model(merges)
     sweep = SweepFolder(out_dir)
     sweep.prepare(overwrite)
-    runs = [RunFolder(Path(run_dir)) for run_dir in run_dirs]
+    every_run = [RunFolder(Path(run_dir)) for run_dir in run_dirs]
+    joint_runs = [run for run in every_run if run.is_joint()]
+    runs = [run for run in every_run if not run.is_joint()]
+    if len(joint_runs) > 1 or not runs:
+        raise MimaError("mima evaluate takes MIMA runs (one per N) and at most one joint run (model.mode: joint)")
     config = load_run_config(runs[0])
     pool = task_pool(config)
     if torch.cuda.is_available() and not any(method.needs_data for method in methods):
         pool.encoder.to("cuda")  # evaluation only; data-dependent merges keep the pool on the CPU
-    for run in runs[1:]:
+    for run in runs[1:] + joint_runs:
         if run.task_order() != pool.tasks:
             raise MimaError(f"{run.path}: tasks {run.task_order()} differ from {runs[0].path}'s {pool.tasks}")
     head_kind = config.model.heads
@@ -97,6 +107,9 @@ def evaluate_runs(
     test, val = pool.evaluator("test"), pool.evaluator("val")
     zero_shot = test.accuracy(runs[0].pretrained())
     print(f"{head_kind} heads, test accuracy at theta_0: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in zero_shot.items()))
+    joint = test.accuracy(joint_runs[0].joint()) if joint_runs else None
+    if joint is not None:
+        print(f"joint multi-task model, test accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in joint.items()))
 
     results: list[ModelResult] = []
     pairwise: dict[int, list[float]] = {}
@@ -113,6 +126,8 @@ def evaluate_runs(
         fine_tuned = {task: test.accuracy(model, [task])[task] for task, model in zip(tasks, models)}
         results.append(ModelResult(n, "zero_shot", zero_shot))
         results.append(ModelResult(n, "fine_tuned", fine_tuned, mean_cos_tau=mean_off_diagonal(cos)))
+        if joint is not None:
+            results.append(ModelResult(n, JOINT, joint))  # one model for every N, like zero_shot
         for method in methods:
             if select_on_val and method.grid:
                 chosen = select_on_validation(method, models, base, val.mean_accuracy, pool=pool)
@@ -126,7 +141,13 @@ def evaluate_runs(
         print(f"N={n}: cos(tau) {mean_off_diagonal(cos):.3f}; {summary} ({time.time() - run_started:.0f} s)")
 
     seconds = round(time.time() - started, 1)
-    info = {"heads": head_kind, "select_on": "val" if select_on_val else "defaults", "runs": [str(r.path) for r in runs]}
+    info = {
+        "heads": head_kind,
+        "select_on": "val" if select_on_val else "defaults",
+        "runs": [str(r.path) for r in runs],
+        # the schedule (lr_schedule, schedule_scope, warm-up), precision and clipping that produced the table
+        "training": training_setup((c.model, c.other.get("trainer") or {}) for c in map(load_run_config, runs)),
+    }
     info.update(steps=config.model.steps, **(extra or {}))
     info["seconds_total"] = seconds
     write_results(sweep, results, extra=info, title=title)

@@ -4,7 +4,8 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
 
     config.yaml                 the full config of the run (every value, defaults included)
     pretrained.safetensors      theta_0, the image encoder before fine-tuning
-    final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata)
+    final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata);
+                                a joint multi-task run (model.mode: joint) has final/joint.safetensors
     metrics.jsonl               one JSON object per phase: phase, step, mean_cos_tau, cos_tau, loss, ...
     checkpoints/                per-process resumable checkpoints (layout: mima.training.checkpointing)
     logs/                       Lightning's CSV logger
@@ -16,6 +17,7 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
 A sweep folder, written by `mima demo`, `mima evaluate --out` and benchmarks/offline_suite.py:
 
     runs/N<n>/                  one run folder per N (the demo and offline sweeps)
+    runs/joint/                 the joint multi-task baseline's run (model.mode: joint)
     results.json .csv .md       the Table-1 rows; selection.json: the chosen merge hyperparameters
     merged_accuracy_vs_N.png, cosine_vs_N.png
     analysis/<name>/, report.md, report.html
@@ -41,6 +43,7 @@ from mima.core.safetensors_io import load_state_dict, save_state_dict
 StateDict = dict[str, torch.Tensor]
 
 REPORT_FILES = ("report.md", "report.html")
+JOINT = "joint"  # the joint multi-task baseline's one final model: final/joint.safetensors
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,13 @@ class RunFolder:
     def is_finished(self) -> bool:
         return any(self.final_dir.glob("*.json"))
 
+    def is_joint(self) -> bool:
+        """A joint multi-task run: one final model for all tasks (final/joint.safetensors)."""
+        return self.final_metadata_file(JOINT).is_file()
+
+    def joint(self) -> StateDict:
+        return load_state_dict(self.final_file(JOINT))
+
     # ----------------------------------------------------------------------------- read
     def config_dict(self) -> dict:
         """config.yaml as plain YAML (typed loading: mima.training.run_config.load_run_config)."""
@@ -130,8 +140,10 @@ class RunFolder:
     def final_metadata(self, task: str) -> dict:
         return json.loads(self.final_metadata_file(task).read_text())
 
-    def iterations(self) -> int:
-        """N of the run, from its final checkpoints' metadata."""
+    def iterations(self) -> int | None:
+        """N of the run, from its final checkpoints' metadata (None for a joint run: no phases)."""
+        if self.is_joint():
+            return None
         return int(self.final_metadata(self.task_order()[0])["N"])
 
     def pretrained(self) -> StateDict:
@@ -141,6 +153,8 @@ class RunFolder:
         return load_state_dict(self.final_file(task))
 
     def final_files(self) -> list[Path]:
+        if self.is_joint():
+            return [self.final_file(JOINT)]
         return [self.final_file(task) for task in self.task_order()]
 
     def phase_records(self) -> list[dict]:
@@ -206,8 +220,12 @@ class SweepFolder:
     def run(self, iterations: int) -> RunFolder:
         return RunFolder(self.runs_dir / f"N{iterations}")
 
+    def joint_run(self) -> RunFolder:
+        """The joint multi-task baseline trained beside the N runs."""
+        return RunFolder(self.runs_dir / JOINT)
+
     def runs(self) -> list[RunFolder]:
-        """The run folders under runs/ that have phase records, in order of N."""
+        """The MIMA run folders under runs/ (those with phase records), in order of N."""
         if not self.runs_dir.is_dir():
             return []
         found = [RunFolder(p) for p in self.runs_dir.iterdir() if p.is_dir() and RunFolder(p).has_metrics()]

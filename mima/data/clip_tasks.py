@@ -20,7 +20,11 @@ the folder named `val`, as in task_vectors); validation is carved from the train
 fixed seed, 10% of it and at most 5000 images (`mima.data.splits.carve_validation`), except for
 EuroSAT, whose `val` folder is its validation split (task_vectors' EuroSATVal). Official
 validation splits of other datasets (Flowers102, PCAM, RenderedSST2, RESISC45) are not used, as
-in task_vectors. Images go through the model's preprocessing after a conversion to RGB.
+in task_vectors. Images go through the model's preprocessing after a conversion to RGB: the
+training split through its training transform (`LoadOptions.preprocess_train`: open_clip's
+RandomResizedCrop, scale 0.9-1.0, as task_vectors' `finetune.py` trains on `train_preprocess`),
+validation (also where it is carved from the training split) and test through its evaluation
+transform (`LoadOptions.preprocess`, as task_vectors evaluates with `val_preprocess`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from mima.data import clip_text as text
-from mima.data.image_folder import ImageFiles, class_folders, rgb_transform, scan_split, with_validation
+from mima.data.image_folder import (
+    ImageFiles,
+    class_folders,
+    rgb_transform,
+    scan_split,
+    with_training_transform,
+    with_validation,
+)
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.core.errors import MimaError
 
@@ -160,7 +171,8 @@ def load_task(task: RealTask, options: LoadOptions) -> TaskData:
         reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
         raise MimaError(f"data.root: task {task.name}: could not read its files under {root} ({reason}); expected: {task.layout()}") from None
     train, val = with_validation(train, val, options.split_seed)
-    return TaskData(train=train, val=val, test=test)
+    # Only the training split is augmented; val (carved from the same images) and test are not.
+    return TaskData(train=with_training_transform(train, options), val=val, test=test)
 
 
 def _checked_classes(task: str, found: list[str], expected: tuple[str, ...], normalise=lambda name: name) -> None:

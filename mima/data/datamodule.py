@@ -10,10 +10,11 @@ from torch.utils.data import DataLoader
 
 from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan
+from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
-from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
+from mima.data.sampler import JointBatchSampler, MultiTaskDataset, PhaseBatchSampler
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.core.errors import MimaError
 
@@ -24,8 +25,9 @@ NO_SUITE = (None, "custom")
 
 @dataclass(frozen=True)
 class TrainingSetup:
-    """What the data needs from the model and the process: the model's image transform, the run's
-    budget (S, N) and which tasks this process trains."""
+    """What the data needs from the model and the process: the model's image transforms (evaluation,
+    and training: None trains on the evaluation transform), the run's budget (S, N) and which tasks
+    this process trains."""
 
     image_size: int
     preprocess: Callable | None
@@ -33,6 +35,8 @@ class TrainingSetup:
     iterations: int
     layout: TaskLayout | None  # None: one process trains every task
     rank: int
+    mode: str = "mima"  # "joint": one model trained on every task's batch at every step
+    preprocess_train: Callable | None = None  # for the training splits of suites of PIL images
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,19 @@ class ProcessTasks:
     data_key: str
     seed: int
     settings: dict  # the data section's values, for the run's metadata
-    train_set: Callable[[str], object]  # task name -> its training split (through the model's transform)
+    # task name -> its training split through the EVALUATION transform (linear probes are fitted on clean images)
+    train_set: Callable[[str], object]
+    mode: str = "mima"
+    head_tasks: tuple[int, ...] = ()  # the tasks whose heads this process uses: its own (MIMA) or all (joint)
 
     @property
     def local_specs(self) -> list[TaskSpec]:
-        return [self.specs[index] for index in self.plan.local_tasks]
+        """The specs of the tasks whose heads this process uses, in slot order."""
+        return [self.specs[index] for index in self.head_tasks]
+
+    @property
+    def task_names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
 
 
 class TaskSuiteDataModule(L.LightningDataModule):
@@ -96,20 +108,27 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self.hparams["custom_tasks"] = [asdict(task) for task in folder_tasks] or None
         self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
         check_specs(self.task_specs, root, download)  # missing benchmark files: one line, before any training
-        self._loaded: dict[str, TaskData] = {}
+        self._loaded: dict[tuple[str, bool], TaskData] = {}  # (task, with a training transform)
         self._setup: TrainingSetup | None = None
         self._process: ProcessTasks | None = None
 
     def connect(self, setup: TrainingSetup) -> ProcessTasks:
         """The one exchange with the LightningModule (called from its `setup`): the data learns the
         model's transform and the process's place in the run; the model gets its plan and tasks."""
-        layout = setup.layout or TaskLayout(len(self.task_specs), 1)
-        plan = PhasePlan(
-            tasks=tuple(self.task_names),
-            local_tasks=layout.local_tasks(setup.rank),
-            total_steps=setup.steps,
-            iterations=setup.iterations,
-        )
+        joint = setup.mode == JOINT
+        # The joint baseline is one "task" (all tasks at once) over the processes: plain data parallelism.
+        layout = setup.layout or TaskLayout(1 if joint else len(self.task_specs), 1)
+        if joint:
+            plan = PhasePlan(tasks=(JOINT,), local_tasks=(0,), total_steps=setup.steps, iterations=1)
+            head_tasks = tuple(range(len(self.task_specs)))
+        else:
+            plan = PhasePlan(
+                tasks=tuple(self.task_names),
+                local_tasks=layout.local_tasks(setup.rank),
+                total_steps=setup.steps,
+                iterations=setup.iterations,
+            )
+            head_tasks = plan.local_tasks
         self._setup = setup
         self._process = ProcessTasks(
             plan=plan,
@@ -120,6 +139,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
             seed=int(self.hparams.seed),
             settings=dict(self.hparams),
             train_set=lambda name: self.task_data(name, setup.image_size, setup.preprocess).train,
+            mode=setup.mode,
+            head_tasks=head_tasks,
         )
         return self._process
 
@@ -134,10 +155,15 @@ class TaskSuiteDataModule(L.LightningDataModule):
     def task_names(self) -> list[str]:
         return [spec.name for spec in self.task_specs]
 
-    def task_data(self, name: str, image_size: int, preprocess: Callable | None = None) -> TaskData:
-        """The splits of task `name`, loaded once. `preprocess` is the model's image transform (for
-        datasets of PIL images); tensor datasets are sized by `image_size`."""
-        if name not in self._loaded:
+    def task_data(
+        self, name: str, image_size: int, preprocess: Callable | None = None, preprocess_train: Callable | None = None
+    ) -> TaskData:
+        """The splits of task `name`, loaded once (once more with a training transform). `preprocess`
+        is the model's evaluation transform, `preprocess_train` its training transform for the train
+        split (None: the evaluation one); suites of PIL images use them (see LoadOptions), tensor
+        datasets are sized by `image_size`."""
+        key = (name, preprocess_train is not None)
+        if key not in self._loaded:
             spec = next(spec for spec in self.task_specs if spec.name == name)
             options = LoadOptions(
                 root=self.hparams.root,
@@ -145,23 +171,24 @@ class TaskSuiteDataModule(L.LightningDataModule):
                 split_seed=self.hparams.split_seed,
                 preprocess=preprocess,
                 download=self.hparams.download,
+                preprocess_train=preprocess_train,
             )
-            self._loaded[name] = spec.load(options)
-        return self._loaded[name]
+            self._loaded[key] = spec.load(options)
+        return self._loaded[key]
 
     def train_dataloader(self) -> DataLoader:
         if self._process is None:
             raise RuntimeError("TaskSuiteDataModule.connect must run (MimaModule.setup calls it) before training")
-        plan, setup = self._process.plan, self._setup
-        local = [self.task_data(plan.tasks[i], setup.image_size, setup.preprocess).train for i in plan.local_tasks]
-        sampler = PhaseBatchSampler(
-            plan,
-            train_sizes=[len(dataset) for dataset in local],
-            batch_size=self.hparams.batch_size,
-            seed=self.hparams.seed,
-            start_step=self.trainer.global_step,  # restored before this is called: resume where it stopped
-            shard=self._process.shard,
-        )
+        process, setup = self._process, self._setup
+        names = [spec.name for spec in process.local_specs]
+        local = [self.task_data(name, setup.image_size, setup.preprocess, setup.preprocess_train).train for name in names]
+        sizes = [len(dataset) for dataset in local]
+        start = self.trainer.global_step  # restored before this is called: resume where it stopped
+        seed, batch_size = self.hparams.seed, self.hparams.batch_size
+        if process.mode == JOINT:
+            sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard)
+        else:
+            sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard)
         return DataLoader(
             MultiTaskDataset(local),
             batch_sampler=sampler,

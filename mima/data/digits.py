@@ -7,6 +7,9 @@ each task needs its own features:
   mirror    flipped left-right
 Splits are shared by all tasks: 30% test, then validation = 10% of the rest (fixed seeds).
 Images are scaled to [-1, 1], upsampled bilinearly to the model's input size, three channels.
+The splits are tensor datasets built from `LoadOptions.image_size` alone: the model's transforms
+(`preprocess`, `preprocess_train`) are ignored and no split is augmented, so the demo's training
+batches, and its results, do not depend on open_clip's training transform.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def transformed_images(transform: str, image_size: int) -> tuple[torch.Tensor, t
 
 def _loader(transform: str) -> Callable[[LoadOptions], TaskData]:
     def load(options: LoadOptions) -> TaskData:
+        """Tensor splits sized by options.image_size; options.preprocess(_train) are not used (no augmentation)."""
         pixels, labels = transformed_images(transform, options.image_size)
         splits = split_indices(options.split_seed)
         return TaskData(**{name: TensorDataset(pixels[idx], labels[idx]) for name, idx in splits.items()})

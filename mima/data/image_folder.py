@@ -24,10 +24,15 @@ Splits (fixed seeds, so every run and every merge sees the same images):
   test  PATH/test, or else a holdout of TEST_FRACTION of the training images;
   val   PATH/val, or else carved from the training images: 10% of them, at most 5000 (the
         task_vectors rule, `mima.data.splits.carve_validation`).
+Transforms: the training split goes through the model's training transform
+(`LoadOptions.preprocess_train`, open_clip's RandomResizedCrop as task_vectors trains) when one is
+given; validation and test always go through the evaluation transform (`LoadOptions.preprocess`),
+also where validation is carved from the training images.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -85,16 +90,46 @@ class ImageFiles(Dataset):
             return self.transform(image.convert("RGB")), label
 
 
-def rgb_transform(options: LoadOptions) -> Callable:
+def rgb_transform(options: LoadOptions, train: bool = False) -> Callable:
     """The model's preprocessing after a conversion to RGB (grayscale datasets such as MNIST give
-    one-channel images; CLIP towers want three). Without a model transform (loader tests), images
-    are resized and centre-cropped to `options.image_size`, as tensors in [0, 1]."""
+    one-channel images; CLIP towers want three): the evaluation transform, or with `train` the
+    training transform where the options carry one. Without a model transform (loader tests),
+    images are resized and centre-cropped to `options.image_size`, as tensors in [0, 1]."""
     from torchvision import transforms
 
-    preprocess = options.preprocess or transforms.Compose(
+    chosen = options.preprocess_train if train and options.preprocess_train is not None else options.preprocess
+    preprocess = chosen or transforms.Compose(
         [transforms.Resize(options.image_size), transforms.CenterCrop(options.image_size), transforms.ToTensor()]
     )
     return transforms.Compose([_to_rgb, preprocess])
+
+
+def with_training_transform(train: Dataset, options: LoadOptions) -> Dataset:
+    """The training split read through the model's training transform (`options.preprocess_train`),
+    or `train` itself when the options carry none. Nothing is read again: the result views the same
+    files or arrays with the other transform, so a validation split carved from the same images
+    (a Subset of the original) keeps the evaluation transform."""
+    if options.preprocess_train is None:
+        return train
+    return retransformed(train, rgb_transform(options, train=True))
+
+
+def retransformed(dataset: Dataset, transform: Callable) -> Dataset:
+    """`dataset` with its image transform replaced: ImageFiles, torchvision datasets (a shallow copy
+    sharing their arrays) and Subsets of either."""
+    from torchvision.datasets import VisionDataset
+    from torchvision.datasets.vision import StandardTransform
+
+    if isinstance(dataset, Subset):
+        return Subset(retransformed(dataset.dataset, transform), dataset.indices)
+    if isinstance(dataset, ImageFiles):
+        return ImageFiles(dataset.samples, transform)
+    if isinstance(dataset, VisionDataset):
+        other = copy.copy(dataset)
+        other.transform = transform  # most torchvision datasets apply .transform, a few .transforms
+        other.transforms = StandardTransform(transform, dataset.target_transform)
+        return other
+    raise TypeError(f"cannot replace the image transform of a {type(dataset).__name__}")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -254,6 +289,7 @@ def load_folder_task(task: FolderTask, layout: FolderLayout, options: LoadOption
         train_all, test = Subset(everything, rest.tolist()), Subset(everything, held.tolist())
     val = ImageFiles(scan_split(layout.val, index, f"{what} (val)"), transform) if layout.val is not None else None
     train, val = with_validation(train_all, val, options.split_seed)
+    train = with_training_transform(train, options)  # val and test keep the evaluation transform
     for split, dataset in (("train", train), ("val", val), ("test", test)):
         if len(dataset) == 0:
             raise MimaError(f"{what}: the {split} split is empty ({len(samples)} training images under {layout.train})")

@@ -18,6 +18,9 @@ Splits of this suite (sized for a 2-core CPU; fixed seeds):
   test   1000 images drawn from the official test split (digits: its fixed 30% holdout, 540)
 Images are 8-bit greyscale, converted to RGB PIL images and passed through the model's own
 preprocessing (open_clip's evaluation transform), so any open_clip model can train on them.
+Every split, training included, uses that evaluation transform: this suite ignores
+`LoadOptions.preprocess_train` (no augmentation), so its recorded results stay comparable; the
+`clip` suite and custom image-folder tasks are the ones whose training split is augmented.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ def _task(
     transform: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> TaskSpec:
     def load(options: LoadOptions) -> TaskData:
+        """Every split through options.preprocess; options.preprocess_train is ignored (no augmentation)."""
         if options.preprocess is None:
             raise MimaError(f"task {name}: needs the model's image preprocessing (LoadOptions.preprocess)")
         raw = source(options.root)

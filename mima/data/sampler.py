@@ -62,6 +62,15 @@ class MultiTaskDataset(Dataset):
         return image, label, slot
 
 
+def shard_slice(batch_size: int, shard: tuple[int, int]) -> slice:
+    """The i-th of R equal slices of a batch, for shard = (i, R)."""
+    index, count = shard
+    if batch_size % count:
+        raise ValueError(f"batch size {batch_size} does not split into {count} equal shards")
+    size = batch_size // count
+    return slice(index * size, (index + 1) * size)
+
+
 class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
     """Yields, for process steps start_step .. end, the batch of (slot, example) pairs of that step.
 
@@ -81,12 +90,8 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
     ) -> None:
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
-        index, count = shard
-        if batch_size % count:
-            raise ValueError(f"batch size {batch_size} does not split into {count} equal shards")
         self.plan, self.batch_size, self.start_step = plan, batch_size, start_step
-        shard_size = batch_size // count
-        self.shard_slice = slice(index * shard_size, (index + 1) * shard_size)
+        self.shard_slice = shard_slice(batch_size, shard)
         self.streams = [
             TaskStream(plan.tasks[task_index], size, seed) for task_index, size in zip(plan.local_tasks, train_sizes)
         ]
@@ -99,3 +104,36 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
             position = self.plan.position(step)
             examples = self.streams[position.slot].batch(position.task_step, self.batch_size)
             yield [(position.slot, example) for example in examples[self.shard_slice]]
+
+
+class JointBatchSampler(Sampler[list[tuple[int, int]]]):
+    """The joint multi-task baseline's batches: every step holds one batch of every task, in task
+    order. Task t's part at step s is exactly the batch MIMA gives task t at its own step s, so both
+    modes see the same examples in the same order over the same S steps."""
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        train_sizes: Sequence[int],
+        total_steps: int,
+        batch_size: int,
+        seed: int,
+        start_step: int = 0,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
+        if len(train_sizes) != len(tasks):
+            raise ValueError("one training-set size per task is needed")
+        self.total_steps, self.batch_size, self.start_step = total_steps, batch_size, start_step
+        self.shard_slice = shard_slice(batch_size, shard)
+        self.streams = [TaskStream(task, size, seed) for task, size in zip(tasks, train_sizes)]
+
+    def __len__(self) -> int:
+        return self.total_steps
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for step in range(self.start_step, self.total_steps):
+            yield [
+                (slot, example)
+                for slot, stream in enumerate(self.streams)
+                for example in stream.batch(step, self.batch_size)[self.shard_slice]
+            ]

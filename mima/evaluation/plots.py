@@ -16,11 +16,14 @@ from mima.evaluation.report import ModelResult  # noqa: E402
 def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
     n_values = sorted({r.N for r in results})
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"fine_tuned": dict(color="black", linestyle="--"), "zero_shot": dict(color="grey", linestyle=":")}
+    styles = {"fine_tuned": dict(color="black", linestyle="--"), "zero_shot": dict(color="grey", linestyle=":"),
+              "joint": dict(color="black", linestyle="-.", marker="")}
+    labels = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)",
+              "joint": "joint multi-task training (one model, same S)"}
     for model in dict.fromkeys(r.model for r in results):
         points = sorted((r.N, 100 * r.mean) for r in results if r.model == model)
-        label = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)"}.get(model, model)
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label, **styles.get(model, {}))
+        label = labels.get(model, model)
+        axis.plot([p[0] for p in points], [p[1] for p in points], label=label, **{"marker": "o", **styles.get(model, {})})
     axis.set_xscale("log", base=2)
     axis.set_xticks(n_values, [str(n) for n in n_values])
     axis.set_xlabel("MIMA iterations N (fixed budget S per task)")

@@ -119,10 +119,60 @@ def n_table(results: Sequence[ModelResult], n: int) -> Table:
     return header, rows
 
 
-def markdown_text(results: Sequence[ModelResult], title: str = "Results") -> str:
-    """Per-N Table-1 style tables (abs / rel / gap per task) and a summary across N."""
+def training_setup(runs: Iterable[tuple[object, Mapping]]) -> dict | list[dict]:
+    """What produced a table, from each run's model section (attributes lr, lr_schedule,
+    schedule_scope, warmup_steps, iterations) and trainer options: the learning-rate schedule, the
+    precision and the gradient clipping. One dict when every run agrees (a sweep from one config),
+    else one per run, in order, each with its N. An unset precision is Lightning's default, 32-true."""
+    runs = list(runs)
+    setups = [
+        {
+            "lr": float(model.lr),
+            "lr_schedule": model.lr_schedule,
+            "schedule_scope": model.schedule_scope,
+            "warmup_steps": int(model.warmup_steps),
+            "precision": str(trainer.get("precision") or "32-true"),
+            "gradient_clip_val": trainer.get("gradient_clip_val"),
+        }
+        for model, trainer in runs
+    ]
+    if not setups:
+        return {}
+    if all(setup == setups[0] for setup in setups):
+        return setups[0]
+    return [{"N": int(model.iterations), **setup} for (model, _), setup in zip(runs, setups)]
+
+
+def describe_training(setup: Mapping) -> str:
+    """One line: 'lr 1e-05, 200 linear warm-up steps, then cosine decay to zero over each task's
+    whole budget S (schedule_scope: run); precision bf16-mixed; gradient clipping at norm 1.0'."""
+    schedule = {"cosine": "cosine decay to zero", "constant": "a constant rate"}.get(setup["lr_schedule"], setup["lr_schedule"])
+    scope = {
+        "run": "over each task's whole budget S (schedule_scope: run)",
+        "phase": "restarted in every phase (schedule_scope: phase)",
+    }.get(setup["schedule_scope"], f"schedule_scope: {setup['schedule_scope']}")
+    clip = setup.get("gradient_clip_val")
+    clipping = f"gradient clipping at norm {clip}" if clip else "no gradient clipping"
+    return (f"lr {setup['lr']:g}, {setup['warmup_steps']} linear warm-up steps, then {schedule} {scope}; "
+            f"precision {setup['precision']}; {clipping}")
+
+
+def _training_lines(training: Mapping | Sequence[Mapping] | None) -> list[str]:
+    if not training:
+        return []
+    if isinstance(training, Mapping):
+        return [f"Training: {describe_training(training)}.", ""]
+    lines = ["Training differs between the runs:", ""]
+    return lines + [f"- N = {setup.get('N', '?')}: {describe_training(setup)}" for setup in training] + [""]
+
+
+def markdown_text(
+    results: Sequence[ModelResult], title: str = "Results", training: Mapping | Sequence[Mapping] | None = None
+) -> str:
+    """Per-N Table-1 style tables (abs / rel / gap per task) and a summary across N, after a line on
+    how the runs were trained (`training`: from `training_setup`; schedule, precision, clipping)."""
     reference = _fine_tuned_by_n(results)
-    lines = [f"# {title}", "", "Average absolute test accuracy (%) over the tasks:", ""]
+    lines = [f"# {title}", "", *_training_lines(training), "Average absolute test accuracy (%) over the tasks:", ""]
     lines += markdown_table(*summary_table(results))
     for n in sorted({r.N for r in results}):
         fine_tuned = reference.get(n)
@@ -161,7 +211,8 @@ def write_results(
     sweep = out_dir if isinstance(out_dir, SweepFolder) else SweepFolder(out_dir)
     write_json_atomic(sweep.result_file("results.json"), results_rows(results))
     write_text_atomic(sweep.result_file("results.csv"), csv_text(results))
-    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title))
+    training = (extra or {}).get("training")  # training_setup's record: stated in results.md's header
+    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title, training=training))
     selection = [
         {"N": r.N, "model": r.model, "hparams": r.hparams, "validation_accuracy": r.validation_accuracy}
         for r in results

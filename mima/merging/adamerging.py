@@ -11,8 +11,10 @@ does (`adapt_on` can name val or train instead). Labels are never read.
 
 `adamerging_cart` applies the same to CART's centered, rank-reduced vectors (paper 000, eq. 8):
 theta = theta_avg + sum_t lam_t^l SVD_r(theta_t - theta_avg), coefficients starting at CART's
-lam = 1 and clamped to [0, 3] (the range of CART's lam grid); tensors that are not low-rank matrices
-use their full centered difference.
+lam = 1 and clamped to [0, 3] (the range of CART's lam grid); the low-rank matrices are CART's (the
+official code's rule: 2-D, key with `attn` or `mlp` and neither `ln` nor `bias`; `matrix_keys`
+overrides it, and a pattern selecting nothing is an error); the other tensors use their full
+centered difference.
 
 All T task vectors are held in memory (the optimisation needs them at every step). The notes
 returned with the merge: the summed entropy on a fixed probe (2 batches per task) before and after,
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from mima.core.linalg import low_rank
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, check_matrix_keys
 from mima.merging.pool import Pool
 from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
 from mima.merging.uniform import mean_tensor
@@ -128,7 +130,9 @@ def adamerging(models, base, pool: Pool, granularity: str, steps: int, lr: float
 
 
 def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
-    """(theta_avg, [SVD_r(theta_t - theta_avg) per task]) with full centered differences off the matrices."""
+    """(theta_avg, [SVD_r(theta_t - theta_avg) per task]) with full centered differences off the
+    matrices (CART's rule, mima.merging.cart.cart_matrix_key, or the pattern `matrix_keys`)."""
+    matrices = set(check_matrix_keys("adamerging_cart", models, matrix_keys))
     average = {key: mean_tensor(models, key) for key in models[0]}
     keys = floating_keys(average)
     vectors = []
@@ -136,7 +140,7 @@ def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
         vector = {}
         for key in keys:
             centered = model[key].float() - average[key].float()
-            if is_matrix(key, centered, matrix_keys):
+            if key in matrices:
                 centered = low_rank(centered, cart_rank(centered.shape, rank_ratio))
             vector[key] = centered
         vectors.append(vector)

@@ -1,13 +1,21 @@
 """CART: Centered Arithmetic with Rank-reduced Task vectors.
 
 Choi et al. 2024, "Revisiting Weight Averaging for Model Merging", https://arxiv.org/abs/2412.12153
-(paper 000): theta = theta_avg + lam * sum_t SVD_r(theta_t - theta_avg) for each weight matrix.
+(paper 000; code https://github.com/JH-GEECS/CART_public):
+theta = theta_avg + lam * sum_t SVD_r(theta_t - theta_avg) for each weight matrix.
 
 Rules, following the official code:
-  * Low rank applies to the 2-D weights of attention and MLP layers (keys matching `matrix_keys`;
-    for open_clip ViTs: attn.in_proj_weight, attn.out_proj.weight, mlp.c_fc.weight,
-    mlp.c_proj.weight). Every other tensor (biases, norms, positional/class embeddings, the
-    projection, conv stems) is the plain average theta_avg.
+  * Which tensors are low-ranked (`cart_matrix_key`, the official code's rule, by name parts): the
+    2-D floating tensors whose key contains `attn` or `mlp` and contains neither `ln` nor `bias`.
+    On open_clip ViTs these are exactly attn.in_proj_weight, attn.out_proj.weight, mlp.c_fc.weight
+    and mlp.c_proj.weight; the same rule finds timm's attn.qkv / mlp.fc1, transformers'
+    self_attn.q_proj / mlp.fc1 or a user's attn.in_proj.weight. Every other tensor (biases, norms,
+    positional/class embeddings, the projection, conv stems) is the plain average theta_avg.
+    `matrix_keys` replaces the rule by a regular expression searched in the key (still 2-D only).
+    A pattern that selects no tensor is an error. If the default rule selects none although the
+    model has 2-D tensors (names the rule does not know), that is an error too, suggesting
+    --matrix-keys; a model with no 2-D tensor at all (MobileNetV2: its 1x1 convolutions are 4-D)
+    has no matrix by CART's own definition, so CART is theta_avg there, with a warning.
   * Rank r = max(1, floor(rank_ratio * min(m, n))) as in the official code (the paper's
     Algorithm 1 writes a ceiling); rank_ratio = 0 keeps no low-rank part (theta_avg).
 Since the centered vectors sum to zero, full rank gives back theta_avg for any lam.
@@ -19,15 +27,30 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from mima.core.errors import MimaError
 from mima.core.linalg import low_rank, svd
 from mima.merging.registry import MergeMethod, register
 from mima.merging.uniform import mean_tensor
 
-DEFAULT_MATRIX_KEYS = r"(attn\.in_proj_weight|attn\.out_proj\.weight|mlp\.c_fc\.weight|mlp\.c_proj\.weight)$"
+# The default of `matrix_keys`: the official rule (`cart_matrix_key`) written as a pattern, for the
+# places that take a pattern (the rank sweep's --matrix-keys). `is_matrix` applies the rule itself
+# when given this value; `test_merge_cart.py` checks that both agree.
+DEFAULT_MATRIX_KEYS = r"^(?=[\s\S]*(?:attn|mlp))(?![\s\S]*(?:ln|bias))"
+RULE = "2-D tensors whose key contains 'attn' or 'mlp' and neither 'ln' nor 'bias'"
+
+
+def cart_matrix_key(key: str) -> bool:
+    """The official CART code's choice of low-rank tensors, by name parts: the key contains `attn`
+    or `mlp` and contains neither `ln` nor `bias` (plain substrings; the tensor must also be 2-D,
+    see `is_matrix`). Paper 000 (https://arxiv.org/abs/2412.12153, section 5.1: weight matrices of
+    the MLP and attention layers; biases and normalisation layers are averaged), code
+    https://github.com/JH-GEECS/CART_public."""
+    return ("attn" in key or "mlp" in key) and "ln" not in key and "bias" not in key
 
 
 def cart_rank(shape: tuple[int, ...] | torch.Size, rank_ratio: float) -> int:
@@ -38,16 +61,71 @@ def cart_rank(shape: tuple[int, ...] | torch.Size, rank_ratio: float) -> int:
     return min(full, max(1, math.floor(rank_ratio * full + 1e-9)))  # the epsilon absorbs 0.29 * 100 = 28.999...
 
 
-def is_matrix(key: str, tensor_or_shape, matrix_keys: str) -> bool:
+def is_matrix(key: str, tensor_or_shape, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> bool:
+    """Whether `key` gets the low-rank treatment: 2-D, and the official rule (`matrix_keys` at its
+    default) or a match of the user's pattern `matrix_keys` (re.search in the key)."""
     shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
-    return len(shape) == 2 and re.search(matrix_keys, key) is not None
+    if len(shape) != 2:
+        return False
+    if matrix_keys == DEFAULT_MATRIX_KEYS:
+        return cart_matrix_key(key)
+    return re.search(matrix_keys, key) is not None
 
 
-def cart(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS):
-    """(key, theta_avg, sum_t SVD_r(theta_t - theta_avg) or None) per key."""
+def _headers(model: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(key, shape, floating) per tensor; from the file headers when `model` is a lazy reader."""
+    infos = getattr(model, "infos", None)
+    if infos is not None:
+        return [(key, tuple(info.shape), info.dtype.is_floating_point) for key, info in infos.items()]
+    return [(key, tuple(value.shape), value.is_floating_point()) for key, value in model.items()]
+
+
+def _some(keys: Sequence[str], shown: int = 3) -> str:
+    listed = ", ".join(repr(k) for k in keys[:shown])
+    return listed + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
+
+
+def matrix_keys_of(model: Mapping[str, torch.Tensor], matrix_keys: str = DEFAULT_MATRIX_KEYS) -> list[str]:
+    """The keys of `model` that get the low-rank treatment (floating and `is_matrix`)."""
+    return [key for key, shape, floating in _headers(model) if floating and is_matrix(key, shape, matrix_keys)]
+
+
+def check_matrix_keys(method: str, models: Sequence[Mapping[str, torch.Tensor]], matrix_keys: str) -> list[str]:
+    """The low-rank keys of the models, checked before any work (from the headers of lazy inputs).
+
+    A user's pattern that selects nothing is an error; so is the default rule selecting nothing in
+    a model that has 2-D tensors (their names are not the rule's). A model without 2-D tensors has
+    no matrix for CART: a warning, and CART is the uniform average.
+    """
+    selected = matrix_keys_of(models[0], matrix_keys)
+    if selected:
+        return selected
+    two_d = [key for key, shape, floating in _headers(models[0]) if floating and len(shape) == 2]
+    if matrix_keys != DEFAULT_MATRIX_KEYS:
+        found = f"its 2-D tensors: {_some(two_d)}" if two_d else "it has none"
+        raise MimaError(
+            f"merge method '{method}': --matrix-keys {matrix_keys!r} matches no 2-D floating tensor of the models ({found})"
+        )
+    if two_d:
+        raise MimaError(
+            f"merge method '{method}': CART's default rule ({RULE}) selects none of the models' 2-D tensors "
+            f"({_some(two_d)}), so it would be the uniform average; name the matrices with --matrix-keys PATTERN"
+        )
+    warnings.warn(f"merge method '{method}': the models have no 2-D floating tensor, so CART keeps no low-rank part "
+                  "and equals the uniform average", stacklevel=3)
+    return []
+
+
+def cart(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> Iterator:
+    """(key, theta_avg, sum_t SVD_r(theta_t - theta_avg) or None) per key; the keys are checked first."""
+    matrices = set(check_matrix_keys("cart", models, matrix_keys))
+    return _cart(models, rank_ratio, matrices)
+
+
+def _cart(models, rank_ratio: float, matrices: set[str]):
     for key in models[0]:
         average = mean_tensor(models, key)
-        if not (average.is_floating_point() and is_matrix(key, average, matrix_keys)):
+        if key not in matrices:
             yield key, average, None
             continue
         rank = cart_rank(average.shape, rank_ratio)
@@ -57,14 +135,18 @@ def cart(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS
         yield key, average, total
 
 
-def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEFAULT_MATRIX_KEYS):
+def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEFAULT_MATRIX_KEYS) -> Iterator:
     """(setting, theta_avg, direction) for every ratio, from one SVD per task and matrix."""
-    ratios = list(rank_ratio)
+    matrices = set(check_matrix_keys("cart", models, matrix_keys))
+    return _cart_sweep(models, list(rank_ratio), matrices)
+
+
+def _cart_sweep(models, ratios: list[float], matrices: set[str]):
     anchor, directions = {}, {ratio: {} for ratio in ratios}
     for key in models[0]:
         average = mean_tensor(models, key)
         anchor[key] = average
-        if not (average.is_floating_point() and is_matrix(key, average, matrix_keys)):
+        if key not in matrices:
             continue
         totals = {ratio: torch.zeros(average.shape, dtype=torch.float32) for ratio in ratios}
         for model in models:

@@ -2,10 +2,12 @@
 
 Choi et al. 2024, https://arxiv.org/abs/2412.12153, Appendix C.2, as the official code
 (StaticMergeModule, "CART-INDEXING"): the index keeps theta_avg and, per task, for each attention/
-MLP weight matrix the rank-r factors of theta_t - theta_avg (r = max(1, floor(rank_ratio *
-min(m, n))), 8% by default), and for every other floating tensor the full centered difference (so
-those tensors come back exactly). Task t's model is theta_avg + left_t @ right_t on the matrices and
-theta_avg + (theta_t - theta_avg) elsewhere.
+MLP weight matrix (CART's rule, mima.merging.cart.cart_matrix_key: 2-D, key with `attn` or `mlp`
+and neither `ln` nor `bias`; or the pattern `matrix_keys`, which must select a tensor) the rank-r
+factors of theta_t - theta_avg (r = max(1, floor(rank_ratio * min(m, n))), 8% by default), and for
+every other floating tensor the full centered difference (so those tensors come back exactly).
+Task t's model is theta_avg + left_t @ right_t on the matrices and theta_avg + (theta_t - theta_avg)
+elsewhere.
 
 Index keys: `avg/<key>`, `task<i>/<key>/left` (m x r, singular values folded in),
 `task<i>/<key>/right` (r x n), `task<i>/<key>/full`.
@@ -18,12 +20,13 @@ from collections.abc import Mapping
 import torch
 
 from mima.core.linalg import svd
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, check_matrix_keys
 from mima.merging.registry import MergeMethod, register
 from mima.merging.uniform import mean_tensor
 
 
 def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> dict[str, torch.Tensor]:
+    matrices = set(check_matrix_keys("cart_indexing", models, matrix_keys))
     index: dict[str, torch.Tensor] = {}
     for key in models[0]:
         average = mean_tensor(models, key)
@@ -32,7 +35,7 @@ def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRI
             continue
         for task, model in enumerate(models):
             centered = model[key].float() - average.float()
-            if is_matrix(key, average, matrix_keys):
+            if key in matrices:
                 left, right = svd(centered).factors(cart_rank(average.shape, rank_ratio))
                 index[f"task{task}/{key}/left"] = left.contiguous()
                 index[f"task{task}/{key}/right"] = right.contiguous()

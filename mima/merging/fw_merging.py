@@ -19,8 +19,11 @@ soft (`mode="soft"`): start from theta_0 (the paper's vision setting). Each iter
   afterwards, unclamped, as the official code), and theta moves there.
   Uses: iterations, examples, ada_steps, lr. step_size, lam and start are hard-mode options: giving
   one with mode="soft" is an error (the official soft code's AdaMerging step uses none of them).
-Defaults: mode hard, 3 iterations (the paper's vision setting for hard; it runs soft for 15),
-start adamerging, step_size 0.1, lam 0.3, 100 examples per task, ada_steps 500, lr 1e-3.
+Defaults: mode hard; iterations follow the mode when not given: 3 for hard, 15 for soft (paper
+002, appendix: on vision tasks FW_hard runs 3 iterations from the AdaMerging merge, FW_soft 15
+from the pre-trained model; ITERATIONS); start adamerging, step_size 0.1, lam 0.3, 100 examples
+per task, ada_steps 500, lr 1e-3. The registry's `defaults["iterations"]` holds hard mode's 3 (the
+declared default mode); a given `iterations` (`mima merge --iterations`) applies to either mode.
 
 Notes returned with the merge: the mode, each iteration's chosen vertex (hard, with every vertex's
 score) or vertices and learnt coefficients (soft), and the AdaMerging start's notes (hard).
@@ -29,6 +32,7 @@ score) or vertices and learnt coefficients (soft), and the AdaMerging start's no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,7 @@ from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, regis
 from mima.merging.task_arithmetic import task_arithmetic
 
 CANDIDATE_INITIAL = "initial merge"
+ITERATIONS = {"hard": 3, "soft": 15}  # default iterations per mode: paper 002's vision settings
 
 
 def calibration_gradient(pool: Pool, weights: dict[str, torch.Tensor], keys, tasks, examples: int) -> dict[str, torch.Tensor]:
@@ -159,13 +164,25 @@ def fw_merging(models, base, pool: Pool, mode: str, **values) -> MergeOutput:
     return fw_soft(models, base, pool, **values)
 
 
+@dataclass(frozen=True)
+class ModeDependentIterations(MergeMethod):
+    """A MergeMethod whose `iterations`, when not given, is the mode's default (ITERATIONS); every
+    other rule (checks, unknown and unused hyperparameters) is the registry's."""
+
+    def hyperparameters(self, given: Mapping[str, object], *args, **kwargs) -> dict[str, object]:
+        values = super().hyperparameters(given, *args, **kwargs)
+        if "iterations" not in given:
+            values["iterations"] = ITERATIONS[values["mode"]]
+        return values
+
+
 register(
-    MergeMethod(
+    ModeDependentIterations(
         name="fw_merging",
         paper="https://arxiv.org/abs/2503.12649",
         summary="Frank-Wolfe over the checkpoints' convex hull (hard: one vertex per step; soft: AdaMerging over chosen vertices)",
         needs_base=True,
-        defaults={"mode": "hard", "iterations": 3, "step_size": 0.1, "lam": 0.3, "examples": 100,
+        defaults={"mode": "hard", "iterations": ITERATIONS["hard"], "step_size": 0.1, "lam": 0.3, "examples": 100,
                   "start": "adamerging", "ada_steps": 500, "lr": 1e-3},
         data_fn=fw_merging,
         uses=used_hyperparameters,

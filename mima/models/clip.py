@@ -43,9 +43,19 @@ class LoadedClip:
 
     @property
     def preprocess(self) -> Callable:
-        """open_clip's evaluation transform (PIL image -> normalised tensor), also used for training as
-        task_vectors does: no augmentation."""
+        """open_clip's evaluation transform (PIL image -> normalised tensor): resize the shorter side,
+        centre crop, normalise; deterministic. Used for validation, test, zero-shot evaluation and the
+        images linear probes are fitted on (task_vectors' `val_preprocess`)."""
         return image_transform_v2(PreprocessCfg(**self.model.visual.preprocess_cfg), is_train=False)
+
+    @property
+    def preprocess_train(self) -> Callable:
+        """open_clip's training transform (PIL image -> normalised tensor): RandomResizedCrop to the
+        input size with scale (0.9, 1.0) (area fraction of the source image; aspect ratio 3/4 to 4/3;
+        bicubic), then normalise; random. task_vectors fine-tunes on exactly this transform: its
+        `ImageEncoder` keeps the `train_preprocess` of `open_clip.create_model_and_transforms`, and
+        `finetune.py` builds the training set with `model.train_preprocess`."""
+        return image_transform_v2(PreprocessCfg(**self.model.visual.preprocess_cfg), is_train=True)
 
     @property
     def image_size(self) -> int:

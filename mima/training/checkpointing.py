@@ -75,13 +75,13 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return max(complete, key=lambda d: read_meta(d)["step"])
 
 
-RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size")
+RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size", "mode")
 
 
-def run_identity(tasks: list[str], steps: int, iterations: int, world_size: int) -> dict:
+def run_identity(tasks: list[str], steps: int, iterations: int, world_size: int, mode: str = "mima") -> dict:
     """What a checkpoint must agree on to be resumed by a run."""
     identity = {"tasks": list(tasks), "steps": steps, "iterations": iterations,
-                "steps_per_phase": steps // iterations, "world_size": world_size}
+                "steps_per_phase": steps // iterations, "world_size": world_size, "mode": mode}
     assert tuple(identity) == RUN_IDENTITY_KEYS
     return identity
 
@@ -90,9 +90,10 @@ def check_resumable(checkpoint_dir: Path, expected: dict) -> None:
     """Refuse a checkpoint written by a run with other tasks, S, N, K or number of processes."""
     meta = read_meta(checkpoint_dir)
     for key in RUN_IDENTITY_KEYS:
-        if meta.get(key) != expected[key]:
+        written = meta.get(key, "mima" if key == "mode" else None)  # checkpoints of mima 0.1 have no mode
+        if written != expected[key]:
             raise MimaError(
-                f"--ckpt_path {checkpoint_dir}: written by a run with {key}={meta.get(key)}, "
+                f"--ckpt_path {checkpoint_dir}: written by a run with {key}={written}, "
                 f"but this run has {key}={expected[key]}"
             )
 

@@ -29,6 +29,7 @@ from mima.core.plan import PhasePlan, check_budget
 from mima.data.datamodule import ProcessTasks, TrainingSetup
 
 OptimizerState = Literal["reset", "keep"]
+TrainingMode = Literal["mima", "joint"]
 BatchNormMode = Literal["frozen", "train"]
 
 
@@ -42,6 +43,10 @@ class _Detached:
 class MimaModule(L.LightningModule):
     """MIMA fine-tuning of an open_clip image encoder. Defaults are the paper's recipe (paper 001,
     section 5: ViT-B/32, AdamW lr 1e-5, weight decay 0.1, 200 warm-up steps, cosine over S = 2000).
+    Two parts of that recipe (task_vectors' fine-tuning code) live outside this module: gradients
+    clipped at norm 1.0 is the Trainer's `gradient_clip_val: 1.0` (set in configs/clip/*.yaml), and
+    the training split's augmentation is open_clip's training transform (`LoadedClip.preprocess_train`,
+    used by the suites that read images from disk).
 
     Args:
         clip: open_clip model: an architecture name, `local-dir:PATH`, or `embedded:tiny-digits`.
@@ -69,6 +74,11 @@ class MimaModule(L.LightningModule):
             Measured on the offline suite: train-mode statistics make merges collapse (README).
         cache_dir: where the embedded models and heads are cached (default $MIMA_CACHE_DIR
             or ~/.cache/mima).
+        mode: "mima" (default): MIMA as above. "joint": the joint multi-task baseline: one encoder
+            trained on all tasks at once for S steps, every step on one batch of every task (each
+            through its frozen head; the losses averaged), so each task sees the same examples as
+            under MIMA; no phases (`iterations` is not used); on W processes plain data parallelism
+            over the combined batch. Writes final/joint.safetensors.
     """
 
     def __init__(
@@ -86,6 +96,7 @@ class MimaModule(L.LightningModule):
         heads: HeadKind = "zero_shot",
         batchnorm: BatchNormMode = "frozen",
         cache_dir: str | None = None,
+        mode: TrainingMode = "mima",
     ) -> None:
         super().__init__()
         check_budget(steps, iterations)
@@ -98,7 +109,8 @@ class MimaModule(L.LightningModule):
         loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
         self.encoder = loaded.encoder
         self.image_size = loaded.image_size
-        self.preprocess = loaded.preprocess
+        self.preprocess = loaded.preprocess  # evaluation transform: val, test, zero-shot scoring, linear probes
+        self.preprocess_train = loaded.preprocess_train  # training transform (RandomResizedCrop, as task_vectors)
         self._text = _Detached(loaded)
         # theta_0 on the CPU: task vectors are measured from it, also after resuming mid-run.
         self.theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in self.encoder.state_dict().items()}
@@ -118,15 +130,17 @@ class MimaModule(L.LightningModule):
             TrainingSetup(
                 image_size=self.image_size,
                 preprocess=self.preprocess,
+                preprocess_train=self.preprocess_train,
                 steps=self.hparams.steps,
                 iterations=self.hparams.iterations,
                 # which tasks this process trains: set by MimaStrategy; None for a plain one-device run
                 layout=getattr(self.trainer.strategy, "layout", None),
                 rank=self.trainer.global_rank,
+                mode=self.hparams.mode,
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
-        self.task_names = list(self.plan.tasks)
+        self.task_names = self.tasks.task_names
         for slot, head in enumerate(self._task_heads(self.tasks.local_specs).values()):
             self.register_buffer(f"head_{slot}", head, persistent=False)
         self._text.value = None  # the text tower is no longer needed
@@ -155,6 +169,8 @@ class MimaModule(L.LightningModule):
 
     # -------------------------------------------------------------------------- training
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        if self.hparams.mode == "joint":
+            return self._joint_step(batch)
         images, labels, slots = batch
         position = self.plan.position(self.global_step)
         if int(slots[0]) != position.slot or bool((slots != slots[0]).any()):
@@ -163,6 +179,20 @@ class MimaModule(L.LightningModule):
         loss = F.cross_entropy(logits, labels)
         task = self.plan.tasks[position.task_index]
         self.log(f"train/loss/{task}", loss, on_step=True, on_epoch=False)
+        self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss
+
+    def _joint_step(self, batch) -> torch.Tensor:
+        """One forward pass over every task's batch; the mean over tasks of each task's cross-entropy."""
+        images, labels, slots = batch
+        features = self.encoder(images)
+        losses = []
+        for slot, spec in enumerate(self.tasks.local_specs):
+            rows = slots == slot
+            task_loss = F.cross_entropy(classify(torch.nn.Identity(), self.head(slot), features[rows]), labels[rows])
+            self.log(f"train/loss/{spec.name}", task_loss, on_step=True, on_epoch=False)
+            losses.append(task_loss)
+        loss = torch.stack(losses).mean()
         self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         return loss
 
@@ -182,7 +212,7 @@ class MimaModule(L.LightningModule):
     # ----------------------------------------------------------------------- checkpoints
     def run_identity(self) -> dict:
         """What a checkpoint must agree on to be resumed by this run."""
-        return run_identity(self.task_names, self.hparams.steps, self.hparams.iterations, self.layout.world_size)
+        return run_identity(self.task_names, self.hparams.steps, self.plan.iterations, self.layout.world_size, self.hparams.mode)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mima"] = {"run": self.run_identity(), "rank": self.trainer.global_rank, "rng": _capture_rng()}
@@ -192,17 +222,19 @@ class MimaModule(L.LightningModule):
         if saved is None:
             raise MimaError("the checkpoint was not written by `mima fit` (no 'mima' section)")
         for key, value in self.run_identity().items():
-            if saved["run"].get(key) != value:
-                raise MimaError(f"checkpoint written by a run with {key}={saved['run'].get(key)}; this run has {key}={value}")
+            written = saved["run"].get(key, "mima" if key == "mode" else None)  # mima 0.1 wrote no mode
+            if written != value:
+                raise MimaError(f"checkpoint written by a run with {key}={written}; this run has {key}={value}")
         _restore_rng(saved["rng"])
 
     def configure_callbacks(self):
         from lightning.pytorch.callbacks import TQDMProgressBar
 
         from mima.training.progress import MimaProgressBar
+        from mima.training.joint import JointFinalCallback
         from mima.training.sync import MimaSyncCallback
 
-        callbacks = [MimaSyncCallback()]
+        callbacks = [JointFinalCallback() if self.hparams.mode == "joint" else MimaSyncCallback()]
         if type(self.trainer.progress_bar_callback) is TQDMProgressBar:  # the default bar, not the user's own
             callbacks.append(MimaProgressBar())
         return callbacks

@@ -87,7 +87,8 @@ class MimaCLI(LightningCLI):
         self.run_dir = resolve_run_dir(config.get("out"))
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).prepare(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
-        num_tasks = len(self.datamodule.task_names)
+        # the joint baseline trains one model on all tasks: one "task" for the process layout (plain DDP)
+        num_tasks = 1 if self.model.hparams.mode == "joint" else len(self.datamodule.task_names)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
@@ -179,6 +180,8 @@ def _quiet_lightning_notes() -> None:
     warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
     # BatchNorm layers kept in eval mode on purpose (model.batchnorm: frozen).
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+    # A run started by hand on a machine that has SLURM installed is not a SLURM job; nothing to fix.
+    warnings.filterwarnings("ignore", message=r".*`srun` command is available on your system but is not used.*")
 
 
 class _DropExpectedNotes(logging.Filter):
@@ -202,13 +205,14 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
     world_size = trainer.num_nodes * trainer.num_devices
-    layout = TaskLayout(len(data.task_names), world_size)
+    layout = TaskLayout(1 if module.hparams.mode == "joint" else len(data.task_names), world_size)
     if data.hparams.batch_size % layout.replicas:
         raise MimaError(
             f"data.batch_size={data.hparams.batch_size} does not split evenly over the {layout.replicas} "
             "processes that share each task"
         )
-    expected = run_identity(data.task_names, module.hparams.steps, module.hparams.iterations, world_size)
+    iterations = 1 if module.hparams.mode == "joint" else module.hparams.iterations
+    expected = run_identity(data.task_names, module.hparams.steps, iterations, world_size, module.hparams.mode)
     ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), RunFolder(run_dir).checkpoints_dir, expected)
     if trainer.is_global_zero and launch_rank() == 0:
         if cli.config.get("ckpt_path") is not None:
