@@ -42,13 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, nargs="+", default=[1, 2, 4, 8], help="values of N")
     parser.add_argument("--merges", nargs="+", default=None, help="merge strategies (default: every data-free one)")
     parser.add_argument("--no-select", action="store_true", help="papers' default hyperparameters, no validation search")
+    parser.add_argument("--probe-shots", type=int,
+                        help="fit the linear-probe heads on this many images per class (model.probe_shots; a weaker head)")
+    parser.add_argument("--joint", action="store_true", help="also train the joint multi-task baseline (a `joint` row)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
     try:
-        config = load_run_config(options.config)  # the values `mima fit --config` would use
+        config = load_run_config(options.config).as_dict()  # the values `mima fit --config` would use
+        if options.probe_shots is not None:
+            config["model"]["probe_shots"] = options.probe_shots
         run_sweep(
-            config.as_dict(),
+            config,
             options.out,
             iterations=options.iterations,
             merges=options.merges or data_free_methods(),
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=options.overwrite,
             progress=not options.no_progress,
             title=f"MIMA sweep ({options.config.name})",
-            extra={"config": str(options.config)},
+            extra={"config": str(options.config), "probe_shots": config["model"]["probe_shots"]},
+            joint=options.joint,
         )
     except MimaError as exc:
         print(f"offline_suite: error: {exc}", file=sys.stderr)

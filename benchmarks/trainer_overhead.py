@@ -136,7 +136,7 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
                                seed=data_cfg["seed"])
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     heads = task_heads(loaded, model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
-                       default_cache_dir(), data.data_key)
+                       default_cache_dir(), data.data_key, model_cfg["probe_shots"])
     head_list = [heads[name].to(device) for name in data.task_names]
     plan = PhasePlan(tuple(data.task_names), tuple(range(len(data.task_names))), model_cfg["steps"], model_cfg["iterations"])
     train_sets = [splits[name].train for name in data.task_names]
@@ -158,7 +158,8 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
         if position.starts_segment:
             encoder.load_state_dict(phase_start)
             optimizer = torch.optim.AdamW(encoder.parameters(), lr=model_cfg["lr"], weight_decay=model_cfg["weight_decay"])
-        factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"])
+        factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"],
+                           model_cfg["segment_warmup_steps"])
         for group in optimizer.param_groups:
             group["lr"] = model_cfg["lr"] * factor
         with autocast:

@@ -80,7 +80,7 @@ def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> Ta
     data = config.datamodule()
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     train_sets = {name: split.train for name, split in splits.items()}
-    heads = task_heads(loaded, model.heads, data.task_specs, train_sets, cache, data.data_key)
+    heads = task_heads(loaded, model.heads, data.task_specs, train_sets, cache, data.data_key, model.probe_shots)
     loaded.encoder.eval()
     return TaskPool(loaded.encoder, list(data.task_names), heads, splits, seed=int(config.data.seed), config=config)
 

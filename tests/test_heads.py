@@ -60,3 +60,20 @@ def test_head_rows_have_norm_exp_logit_scale_and_are_cached(small_clip, tmp_path
     torch.testing.assert_close(again, head)
     cached_zero_shot_head(clip.model, clip.tokenizer, classes, TEMPLATES[:1], tmp_path, "task")
     assert len(list((tmp_path / "heads").glob("task-*.safetensors"))) == 2  # other prompts, other file
+
+
+def test_few_shot_probe_data_takes_the_first_k_of_each_class_in_the_fixed_order():
+    """Checked against a plain loop over the same seeded permutation."""
+    from torch.utils.data import TensorDataset
+
+    from mima.models.heads import PROBE_SEED, few_shot_subset
+
+    labels = torch.tensor([i % 3 for i in range(30)] + [3])  # class 3 has a single example
+    dataset = TensorDataset(torch.arange(31.0)[:, None], labels)
+    subset = few_shot_subset(dataset, shots=2, num_classes=4)
+    order = torch.randperm(31, generator=torch.Generator().manual_seed(PROBE_SEED)).tolist()
+    expected = []
+    for c in range(4):
+        expected += [i for i in order if int(labels[i]) == c][:2]
+    assert subset.indices == sorted(expected)
+    assert sorted(int(labels[i]) for i in subset.indices) == [0, 0, 1, 1, 2, 2, 3]

@@ -84,3 +84,14 @@ def test_sampler_batches_come_from_one_task():
     for step, batch in enumerate(PhaseBatchSampler(plan, [9, 9], batch_size=4, seed=0)):
         assert {slot for slot, _ in batch} == {plan.position(step).slot}
         assert all(0 <= i < 9 for _, i in batch)
+
+
+def test_segment_warmup_ramps_every_segment_on_top_of_the_run_schedule():
+    """K = 5, two local tasks, constant schedule with 2 run warm-up steps and 3 segment warm-up steps:
+    written out by hand, segment by segment."""
+    plan = PhasePlan(tasks=("a", "b"), local_tasks=(0, 1), total_steps=10, iterations=2)
+    factors = [lr_factor(plan, s, "constant", "run", warmup=2, segment_warmup=3) for s in range(plan.local_steps)]
+    ramp = [1 / 3, 2 / 3, 1.0, 1.0, 1.0]
+    first_phase = [0.5 * ramp[0], 1.0 * ramp[1], *ramp[2:]]  # the run's warm-up: task steps 0 and 1
+    assert factors == pytest.approx(first_phase * 2 + ramp * 2)  # a, b in phase 1; a, b in phase 2
+    assert [lr_factor(plan, s, "constant", "run", warmup=2) for s in range(5)] == pytest.approx([0.5, 1, 1, 1, 1])

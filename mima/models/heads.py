@@ -23,11 +23,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from mima.models.clip import LoadedClip, text_tower_fingerprint
 from mima.core.safetensors_io import load_state_dict, save_state_dict
-from mima.core.subsets import fixed_subset
+from mima.core.subsets import fixed_order, fixed_subset
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 PROBE_EXAMPLES = 5000  # training images a probe is fitted on (a fixed-seed subset when there are more)
@@ -87,6 +87,21 @@ def encoder_features(encoder: nn.Module, dataset: Dataset, batch_size: int = 256
     return torch.cat(features), torch.cat(labels)
 
 
+def few_shot_subset(dataset: Dataset, shots: int, num_classes: int, seed: int = PROBE_SEED) -> Dataset:
+    """The first `shots` examples of every class in a fixed random order (fewer for a class that has
+    fewer), kept in dataset order: the data of a deliberately weak probe."""
+    taken: dict[int, int] = {}
+    chosen = []
+    for index in fixed_order(len(dataset), seed).tolist():
+        label = int(dataset[index][1])
+        if taken.get(label, 0) < shots:
+            taken[label] = taken.get(label, 0) + 1
+            chosen.append(index)
+            if len(taken) == num_classes and all(count >= shots for count in taken.values()):
+                break
+    return Subset(dataset, sorted(chosen))
+
+
 def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int, c: float = PROBE_C) -> torch.Tensor:
     """A [num_classes, dim] head W such that features @ W.T are the probe's logits (no intercept)."""
     from sklearn.linear_model import LogisticRegression
@@ -117,10 +132,13 @@ def task_heads(
     train_sets: Mapping[str, Dataset] | None,
     cache_dir: Path,
     data_key: str = "",
+    probe_shots: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """One frozen head per task spec (zero-shot, or a linear probe on `train_sets[task]`), cached.
 
-    `data_key` names the probe's data (suite, root, split seed) in the cache key."""
+    `data_key` names the probe's data (suite, root, split seed) in the cache key. A probe is fitted on
+    a fixed subset of up to PROBE_EXAMPLES training images, or with `probe_shots` on that many
+    images of each class (a weaker head, so that fine-tuning has more to add)."""
     if kind == "zero_shot":
         fingerprint = text_tower_fingerprint(loaded.model)
         return {
@@ -136,13 +154,19 @@ def task_heads(
     for spec in tasks:
         key = hashlib.sha256(
             json.dumps({"encoder": fingerprint, "task": spec.name, "classes": list(spec.classnames), "data": data_key,
-                        "examples": PROBE_EXAMPLES, "c": PROBE_C, "seed": PROBE_SEED}).encode()
+                        "examples": PROBE_EXAMPLES, "c": PROBE_C, "seed": PROBE_SEED,
+                        **({"shots": probe_shots} if probe_shots is not None else {})}).encode()
         ).hexdigest()[:20]
         path = Path(cache_dir) / "heads" / f"{spec.name}-probe-{key}.safetensors"
         if path.is_file():
             heads[spec.name] = load_state_dict(path)["head"]
             continue
-        features, labels = encoder_features(loaded.encoder, fixed_subset(train_sets[spec.name], PROBE_EXAMPLES, PROBE_SEED))
+        train = train_sets[spec.name]
+        probe_data = (
+            fixed_subset(train, PROBE_EXAMPLES, PROBE_SEED) if probe_shots is None
+            else few_shot_subset(train, probe_shots, spec.num_classes)
+        )
+        features, labels = encoder_features(loaded.encoder, probe_data)
         heads[spec.name] = fit_linear_probe(features, labels, spec.num_classes)
         save_state_dict(path, {"head": heads[spec.name]}, metadata={"task": spec.name, "kind": "linear_probe"})
     return heads

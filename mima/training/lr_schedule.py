@@ -28,8 +28,13 @@ def warmup_constant(step: int, warmup: int) -> float:
     return (step + 1) / warmup if step < warmup else 1.0
 
 
-def lr_factor(plan: PhasePlan, process_step: int, schedule: ScheduleName, scope: ScheduleScope, warmup: int) -> float:
-    """The factor multiplying the base learning rate at process step `process_step`."""
+def lr_factor(
+    plan: PhasePlan, process_step: int, schedule: ScheduleName, scope: ScheduleScope, warmup: int, segment_warmup: int = 0
+) -> float:
+    """The factor multiplying the base learning rate at process step `process_step`. With
+    `segment_warmup` > 0 the schedule's factor is also ramped up linearly over the first
+    `segment_warmup` steps of every task segment (each phase's fresh fine-tune from the average),
+    on top of the run's own warm-up."""
     step = min(process_step, plan.local_steps - 1)  # Lightning evaluates one step past the end
     position = plan.position(step)
     if scope == "run":
@@ -37,6 +42,7 @@ def lr_factor(plan: PhasePlan, process_step: int, schedule: ScheduleName, scope:
     else:
         local_step, total = position.step_in_phase, plan.steps_per_phase
     warmup = min(warmup, total)
-    if schedule == "cosine":
-        return warmup_cosine(local_step, total, warmup)
-    return warmup_constant(local_step, warmup)
+    factor = warmup_cosine(local_step, total, warmup) if schedule == "cosine" else warmup_constant(local_step, warmup)
+    if segment_warmup > 0:
+        factor *= min(1.0, (position.step_in_phase + 1) / segment_warmup)
+    return factor

@@ -79,6 +79,13 @@ class MimaModule(L.LightningModule):
             through its frozen head; the losses averaged), so each task sees the same examples as
             under MIMA; no phases (`iterations` is not used); on W processes plain data parallelism
             over the combined batch. Writes final/joint.safetensors.
+        segment_warmup_steps: 0 (default) or a linear warm-up of the learning rate over the first
+            steps of every task segment, on top of the run's schedule: with `optimizer_state: reset`
+            each phase starts AdamW afresh from the average, and its first steps are taken with
+            fresh (uncalibrated) second moments at the full rate.
+        probe_shots: with `heads: linear_probe`, fit each probe on this many training images per
+            class instead of up to 5000 images (a weaker frozen head, so that fine-tuning has more to
+            add and merges can be told apart); None (default) keeps the full probe.
     """
 
     def __init__(
@@ -97,6 +104,8 @@ class MimaModule(L.LightningModule):
         batchnorm: BatchNormMode = "frozen",
         cache_dir: str | None = None,
         mode: TrainingMode = "mima",
+        segment_warmup_steps: int = 0,
+        probe_shots: int | None = None,
     ) -> None:
         super().__init__()
         check_budget(steps, iterations)
@@ -104,6 +113,12 @@ class MimaModule(L.LightningModule):
             raise MimaError(f"model.lr must be positive, got {lr}")
         if warmup_steps < 0:
             raise MimaError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
+        if probe_shots is not None and probe_shots < 1:
+            raise MimaError(f"model.probe_shots must be a positive number of images per class, got {probe_shots}")
+        if segment_warmup_steps < 0 or segment_warmup_steps > steps // iterations:
+            raise MimaError(
+                f"model.segment_warmup_steps must be in 0 .. K = {steps // iterations} (steps per phase), got {segment_warmup_steps}"
+            )
         self.save_hyperparameters()
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
@@ -155,7 +170,8 @@ class MimaModule(L.LightningModule):
         train_sets = None
         if self.hparams.heads == "linear_probe":  # fitted on theta_0: setup runs before any checkpoint loads
             train_sets = {spec.name: self.tasks.train_set(spec.name) for spec in specs}
-        return task_heads(loaded, self.hparams.heads, specs, train_sets, self.cache_dir, self.tasks.data_key)
+        return task_heads(loaded, self.hparams.heads, specs, train_sets, self.cache_dir, self.tasks.data_key,
+                          self.hparams.probe_shots)
 
     def train(self, mode: bool = True) -> MimaModule:
         """nn.Module.train, except that BatchNorm layers stay in eval mode when `batchnorm` is frozen."""
@@ -205,7 +221,7 @@ class MimaModule(L.LightningModule):
         plan, hp = self.plan, self.hparams
         scheduler = LambdaLR(
             optimizer,
-            lambda step: lr_factor(plan, step, hp.lr_schedule, hp.schedule_scope, hp.warmup_steps),
+            lambda step: lr_factor(plan, step, hp.lr_schedule, hp.schedule_scope, hp.warmup_steps, hp.segment_warmup_steps),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
