@@ -42,16 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, nargs="+", default=[1, 2, 4, 8], help="values of N")
     parser.add_argument("--merges", nargs="+", default=None, help="merge strategies (default: every data-free one)")
     parser.add_argument("--no-select", action="store_true", help="papers' default hyperparameters, no validation search")
-    parser.add_argument("--probe-shots", type=int,
-                        help="fit the linear-probe heads on this many images per class (model.probe_shots; a weaker head)")
+    probes = parser.add_mutually_exclusive_group()
+    probes.add_argument("--probe-shots", type=int,
+                        help="fit the linear-probe heads on this many images per class (model.probe_shots; the config's by default)")
+    probes.add_argument("--full-probes", action="store_true",
+                        help="fit the linear probes on up to 5000 images per task (model.probe_shots: null; strong heads)")
     parser.add_argument("--joint", action="store_true", help="also train the joint multi-task baseline (a `joint` row)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options = parser.parse_args(argv)
     try:
         config = load_run_config(options.config).as_dict()  # the values `mima fit --config` would use
-        if options.probe_shots is not None:
-            config["model"]["probe_shots"] = options.probe_shots
+        if options.probe_shots is not None or options.full_probes:
+            config["model"]["probe_shots"] = options.probe_shots  # None for --full-probes
         run_sweep(
             config,
             options.out,
