@@ -24,8 +24,14 @@ fi
 run_dir="${MIMA_RUNS:-runs}/${MIMA_RUN_NAME:-${default_name}}"
 tasks_per_node="${SLURM_NTASKS_PER_NODE:-1}"
 echo "mima: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}: ${SLURM_NNODES} node(s) x ${tasks_per_node} process(es) -> ${run_dir}"
+# Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task: without it every process would
+# get one core however many the job asked for (and the data workers would share it).
+cpus_per_task=()
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+  cpus_per_task=(--cpus-per-task="${SLURM_CPUS_PER_TASK}")
+fi
 # --kill-on-bad-exit: if one process dies, SLURM ends the others instead of letting them wait.
-srun --kill-on-bad-exit=1 mima fit \
+srun --kill-on-bad-exit=1 "${cpus_per_task[@]}" mima fit \
   --config "${MIMA_CONFIG}" \
   --trainer.accelerator "${MIMA_ACCELERATOR:-gpu}" \
   --trainer.devices "${tasks_per_node}" \

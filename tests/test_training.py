@@ -175,3 +175,32 @@ def test_run_folder_contract_and_config_round_trip(tmp_path, small_clip):
     for task in ("rot90", "rot270"):
         a, b = load_state_dict(run / "final" / f"{task}.safetensors"), load_state_dict(again / "final" / f"{task}.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("clip_fixture", ["small_clip", "batchnorm_clip"])
+def test_gradient_checkpointing_trains_the_same_weights(tmp_path, request, clip_fixture):
+    clip = request.getfixturevalue(clip_fixture)  # an open_clip ViT tower and a timm tower
+    runs = {}
+    for enabled in (False, True):
+        config = fit_config(tmp_path / str(enabled), clip, ["rot90", "mirror"], steps=4, iterations=2, grad_checkpointing=enabled)
+        runs[enabled] = run_fit(config).run_dir
+    for task in ("rot90", "mirror"):
+        plain = load_state_dict(runs[False] / "final" / f"{task}.safetensors")
+        recomputed = load_state_dict(runs[True] / "final" / f"{task}.safetensors")
+        for key in plain:
+            torch.testing.assert_close(recomputed[key], plain[key], rtol=0, atol=1e-6)
+
+
+def test_gradient_checkpointing_on_a_tower_without_it_is_one_line(tmp_path, capsys):
+    from mima.cli import main
+    from tests.conftest import save_local_dir_clip, SMALL_CLIP_CFG
+
+    # open_clip's ModifiedResNet accepts set_grad_checkpointing and ignores it
+    resnet = {"embed_dim": 32, "vision_cfg": {"image_size": 16, "layers": [1, 1, 1, 1], "width": 8},
+              "text_cfg": SMALL_CLIP_CFG["text_cfg"]}
+    clip = f"local-dir:{save_local_dir_clip(tmp_path / 'rn', resnet, seed=0)}"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(fit_config(tmp_path / "run", clip, ["rot90"], steps=2, iterations=1, grad_checkpointing=True)))
+    assert main(["fit", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.grad_checkpointing" in err[0] and "no gradient checkpointing" in err[0], err

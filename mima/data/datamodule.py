@@ -37,6 +37,7 @@ class TrainingSetup:
     rank: int
     mode: str = "mima"  # "joint": one model trained on every task's batch at every step
     preprocess_train: Callable | None = None  # for the training splits of suites of PIL images
+    accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches of data.batch_size per optimiser step
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class TaskSuiteDataModule(L.LightningDataModule):
         tasks: task names in run order, from the suite and the custom tasks; None takes the
             suite's default list followed by every custom task.
         root: data root for suites read from disk (unused by the embedded `digits` suite).
-        batch_size: training batch size per task (split evenly over a task's replicas).
+        batch_size: training batch size per task (split evenly over a task's replicas); with
+            `trainer.accumulate_grad_batches: a` it is the micro-batch, and each optimiser step sees
+            a x batch_size examples of its task (exactly the batch of a run with a x batch_size).
         eval_batch_size: batch size for validation/test evaluation.
         num_workers: DataLoader worker processes.
         seed: data-order seed (each task's stream of permutations is keyed on it).
@@ -186,9 +189,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
         start = self.trainer.global_step  # restored before this is called: resume where it stopped
         seed, batch_size = self.hparams.seed, self.hparams.batch_size
         if process.mode == JOINT:
-            sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard)
+            sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard,
+                                        setup.accumulate)
         else:
-            sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard)
+            sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard, setup.accumulate)
         return DataLoader(
             MultiTaskDataset(local),
             batch_sampler=sampler,

@@ -71,12 +71,23 @@ def shard_slice(batch_size: int, shard: tuple[int, int]) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def micro_batches(examples: list, accumulate: int) -> list[list]:
+    """A step's examples (this replica's share) cut into `accumulate` equal consecutive micro-batches:
+    Lightning averages their losses, so the step's gradient is the mean over the whole step batch,
+    as without accumulation (up to the order of float sums)."""
+    size = len(examples) // accumulate
+    return [examples[i * size : (i + 1) * size] for i in range(accumulate)]
+
+
 class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
     """Yields, for process steps start_step .. end, the batch of (slot, example) pairs of that step.
 
     Its length is always the whole plan: Lightning counts a resumed epoch's batches from where the
     checkpoint left off, so the sampler starts there instead of replaying the epoch's first batches.
     With R replicas per task, `shard = (i, R)` keeps the i-th of R equal slices of each task batch.
+    With `accumulate = a` every step's batch holds a x batch_size examples, yielded as a micro-batches
+    of batch_size (each replica's slice cut into a), so a step is the same set of examples as in a
+    run with batch a x batch_size.
     """
 
     def __init__(
@@ -87,23 +98,25 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
         seed: int,
         start_step: int = 0,
         shard: tuple[int, int] = (0, 1),
+        accumulate: int = 1,
     ) -> None:
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
-        self.plan, self.batch_size, self.start_step = plan, batch_size, start_step
-        self.shard_slice = shard_slice(batch_size, shard)
+        self.plan, self.start_step, self.accumulate = plan, start_step, accumulate
+        self.batch_size = batch_size * accumulate  # examples per optimiser step
+        self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [
             TaskStream(plan.tasks[task_index], size, seed) for task_index, size in zip(plan.local_tasks, train_sizes)
         ]
 
     def __len__(self) -> int:
-        return self.plan.local_steps
+        return self.plan.local_steps * self.accumulate
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.start_step, self.plan.local_steps):
             position = self.plan.position(step)
             examples = self.streams[position.slot].batch(position.task_step, self.batch_size)
-            yield [(position.slot, example) for example in examples[self.shard_slice]]
+            yield from micro_batches([(position.slot, example) for example in examples[self.shard_slice]], self.accumulate)
 
 
 class JointBatchSampler(Sampler[list[tuple[int, int]]]):
@@ -120,20 +133,24 @@ class JointBatchSampler(Sampler[list[tuple[int, int]]]):
         seed: int,
         start_step: int = 0,
         shard: tuple[int, int] = (0, 1),
+        accumulate: int = 1,
     ) -> None:
         if len(train_sizes) != len(tasks):
             raise ValueError("one training-set size per task is needed")
-        self.total_steps, self.batch_size, self.start_step = total_steps, batch_size, start_step
-        self.shard_slice = shard_slice(batch_size, shard)
+        self.total_steps, self.start_step, self.accumulate = total_steps, start_step, accumulate
+        self.batch_size = batch_size * accumulate  # examples of each task per optimiser step
+        self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [TaskStream(task, size, seed) for task, size in zip(tasks, train_sizes)]
 
     def __len__(self) -> int:
-        return self.total_steps
+        return self.total_steps * self.accumulate
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.start_step, self.total_steps):
-            yield [
-                (slot, example)
+            # micro-batch m holds the m-th part of every task's batch, so each holds every task
+            parts = [
+                micro_batches([(slot, example) for example in stream.batch(step, self.batch_size)[self.shard_slice]], self.accumulate)
                 for slot, stream in enumerate(self.streams)
-                for example in stream.batch(step, self.batch_size)[self.shard_slice]
             ]
+            for micro in range(self.accumulate):
+                yield [pair for task_parts in parts for pair in task_parts[micro]]

@@ -154,6 +154,8 @@ class MimaCheckpoint(ModelCheckpoint):
             signal.signal(signum, _remember_signal)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not getattr(pl_module, "stepped", True):
+            return  # a micro-batch that only accumulated gradients: no step boundary to save at
         signum = agree_on_preemption(trainer.strategy.root_device)
         if not signum:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -61,9 +61,12 @@ class MimaModule(L.LightningModule):
         lr_schedule: "cosine" (warm-up then cosine decay) or "constant" (warm-up then flat).
         schedule_scope: "run": one schedule over the task's S steps (default); "phase": restart it
             every phase over K steps.
-        optimizer_state: "reset": fresh AdamW moments for every task segment (each phase is a new
-            fine-tune from the average); "keep": each task keeps its own moments across phases
-            (costs two encoder-sized buffers per task on the process).
+        optimizer_state: "keep" (default): each task keeps its own AdamW moments across phases (its
+            weights restart from the average, its moments go on); costs two encoder-sized buffers
+            per task of the process in host memory, and in checkpoints. "reset": fresh moments for
+            every task segment (SPEC 2.1's reading: each phase a new fine-tune from the average).
+            Measured (README, "Phase starts"): with reset, the task models of large N end below
+            theta_0 on real pretrained weights; with keep they stay above it and merge better.
         heads: "zero_shot": each task's frozen head comes from the text tower and the task's class
             names and templates (the papers); "linear_probe": a logistic regression fitted on the
             pretrained encoder's features of the task's training images (for models without a
@@ -86,6 +89,10 @@ class MimaModule(L.LightningModule):
         probe_shots: with `heads: linear_probe`, fit each probe on this many training images per
             class instead of up to 5000 images (a weaker frozen head, so that fine-tuning has more to
             add and merges can be told apart); None (default) keeps the full probe.
+        grad_checkpointing: recompute the image tower's activations in the backward pass instead of
+            keeping them (open_clip's `set_grad_checkpointing`: ViT towers and timm models), for
+            large towers at large batches (ViT-L/14 at batch 128); the same weights, about a third
+            more compute. A tower without the switch is an error, not a silent no-op.
     """
 
     def __init__(
@@ -99,13 +106,14 @@ class MimaModule(L.LightningModule):
         warmup_steps: int = 200,
         lr_schedule: ScheduleName = "cosine",
         schedule_scope: ScheduleScope = "run",
-        optimizer_state: OptimizerState = "reset",
+        optimizer_state: OptimizerState = "keep",
         heads: HeadKind = "zero_shot",
         batchnorm: BatchNormMode = "frozen",
         cache_dir: str | None = None,
         mode: TrainingMode = "mima",
         segment_warmup_steps: int = 0,
         probe_shots: int | None = None,
+        grad_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         check_budget(steps, iterations)
@@ -123,6 +131,8 @@ class MimaModule(L.LightningModule):
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
         self.encoder = loaded.encoder
+        if grad_checkpointing:
+            _enable_grad_checkpointing(self.encoder, clip)
         self.image_size = loaded.image_size
         self.preprocess = loaded.preprocess  # evaluation transform: val, test, zero-shot scoring, linear probes
         self.preprocess_train = loaded.preprocess_train  # training transform (RandomResizedCrop, as task_vectors)
@@ -133,6 +143,7 @@ class MimaModule(L.LightningModule):
         self.layout: TaskLayout | None = None
         self.tasks: ProcessTasks | None = None  # from TaskSuiteDataModule.connect, in setup
         self.task_names: list[str] = []
+        self.stepped = False  # whether the current batch ended with an optimiser step
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -152,6 +163,7 @@ class MimaModule(L.LightningModule):
                 layout=getattr(self.trainer.strategy, "layout", None),
                 rank=self.trainer.global_rank,
                 mode=self.hparams.mode,
+                accumulate=self.trainer.accumulate_grad_batches,
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
@@ -184,6 +196,15 @@ class MimaModule(L.LightningModule):
         return getattr(self, f"head_{slot}")
 
     # -------------------------------------------------------------------------- training
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self.stepped = False
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # With trainer.accumulate_grad_batches > 1 most batches only accumulate gradients; the MIMA
+        # callbacks act on (segment ends, checkpoints, preemption) only after a batch that stepped.
+        self.stepped = True
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         if self.hparams.mode == "joint":
             return self._joint_step(batch)
@@ -254,6 +275,18 @@ class MimaModule(L.LightningModule):
         if type(self.trainer.progress_bar_callback) is TQDMProgressBar:  # the default bar, not the user's own
             callbacks.append(MimaProgressBar())
         return callbacks
+
+
+def _enable_grad_checkpointing(encoder: torch.nn.Module, clip: str) -> None:
+    """open_clip's switch; some towers (ModifiedResNet, custom ones) accept it and do nothing, so
+    the flag it sets on the transformer or timm trunk is checked."""
+    if hasattr(encoder, "set_grad_checkpointing"):
+        encoder.set_grad_checkpointing(True)
+    if not any(getattr(module, "grad_checkpointing", False) is True for module in encoder.modules()):
+        raise MimaError(
+            f"model.grad_checkpointing: the image tower of {clip} has no gradient checkpointing "
+            "(open_clip offers it for ViT towers and timm models); leave it false"
+        )
 
 
 def _capture_rng() -> dict:

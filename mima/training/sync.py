@@ -10,7 +10,8 @@ and of the phase updates delta_t = theta_t - avg_previous, over all tasks. In th
 task's end weights are the run's final task checkpoint.
 
 Device memory: the working encoder and `avg`; the end weights of the process's own tasks live on
-the CPU until the phase ends. Everything needed to resume mid-phase is in `state_dict()`.
+the CPU until the phase ends, and so do the kept AdamW moments of its tasks that are not running
+(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). Everything needed to resume mid-phase is in `state_dict()`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def _cpu_copy(state: StateDict) -> StateDict:
     return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
 
 
+def _moments_to_cpu(optimizer_state: dict) -> dict:
+    """A copy of an optimiser's per-parameter state with every tensor on the CPU: with several
+    tasks per process only the running task's moments stay on the device (2 encoder-sized buffers),
+    the others wait in host memory; `Optimizer.load_state_dict` moves them back."""
+    return {
+        param: {name: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else copy.deepcopy(value)
+                for name, value in moments.items()}
+        for param, moments in optimizer_state.items()
+    }
+
+
 class MimaSyncCallback(Callback):
     """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule."""
 
@@ -39,7 +51,7 @@ class MimaSyncCallback(Callback):
         self.avg: StateDict = {}  # the current phase's start point (device)
         self.segment_ends: dict[int, StateDict] = {}  # slot -> this phase's end weights (CPU)
         self.loss_sums: dict[int, float] = {}
-        self.task_moments: dict[int, dict] = {}  # slot -> AdamW state, for optimizer_state="keep"
+        self.task_moments: dict[int, dict] = {}  # slot -> AdamW state (CPU), for optimizer_state="keep"
         self._restored = False
 
     # ----------------------------------------------------------------------------- start
@@ -61,11 +73,12 @@ class MimaSyncCallback(Callback):
     # ------------------------------------------------------------------------ each step
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         plan = pl_module.plan
-        step = trainer.global_step - 1  # the optimiser step that just finished
+        # the step this (micro-)batch belongs to; global_step counts it only once the optimiser stepped
+        step = trainer.global_step - 1 if pl_module.stepped else trainer.global_step
         position = plan.position(step)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # divided by the micro-batch count
         self.loss_sums[position.slot] = self.loss_sums.get(position.slot, 0.0) + float(loss)
-        if not plan.ends_segment(step):
+        if not pl_module.stepped or not plan.ends_segment(step):
             return
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
@@ -77,7 +90,7 @@ class MimaSyncCallback(Callback):
         plan = pl_module.plan
         self.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
         if pl_module.hparams.optimizer_state == "keep":
-            self.task_moments[position.slot] = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+            self.task_moments[position.slot] = _moments_to_cpu(trainer.optimizers[0].state_dict()["state"])
         is_leader = pl_module.layout.is_leader(trainer.global_rank)
         if position.phase == plan.iterations - 1 and is_leader:
             self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.segment_ends[position.slot])
