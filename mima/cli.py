@@ -2,6 +2,7 @@
 
     mima demo  [--out DIR] [--iterations 1 2 4 8] [--steps 320] ...   the embedded default end to end
     mima fit   --config FILE [--out DIR] [--trainer.* ...] [--model.* ...]  one MIMA run (LightningCLI)
+    mima prefetch --config FILE [--data.root DIR]   fetch a config's weights and datasets (login node)
     mima merge --method NAME [--base BASE] --models A B ... | RUN_DIR --output OUT [--select-on val] [--lam X] ...
     mima evaluate RUN_DIR [RUN_DIR ...] --out DIR [--merges uniform ties ...]   the Table-1 results of finished runs
     mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
@@ -25,6 +26,7 @@ from mima.core.errors import MimaError
 COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
     "fit": "run one MIMA configuration (LightningCLI: --config FILE, --trainer.*, --model.*, --data.*)",
+    "prefetch": "download what a config needs (open_clip weights, torchvision datasets) before running it offline",
     "merge": "merge fine-tuned state dicts (or a run folder) with a registered strategy",
     "evaluate": "merge and evaluate finished runs (one per N): the Table-1 results table and plots",
     "convert": "turn a pickled module checkpoint into a safetensors state dict, without running its code",
@@ -55,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             demo_command(rest)
         elif command == "fit":
             return fit_command(rest)
+        elif command == "prefetch":
+            prefetch_command(rest)
         elif command == "merge":
             merge_command(rest)
         elif command == "convert":
@@ -94,6 +98,28 @@ def fit_command(argv: Sequence[str]) -> int:
     if result.preempted_by and launch_rank() == 0:
         return 128 + result.preempted_by
     return 0
+
+
+# --------------------------------------------------------------------------- prefetch
+def prefetch_command(argv: Sequence[str]) -> None:
+    from mima.prefetch import prefetch
+    from mima.training.run_config import load_run_config
+
+    parser = _OneLineParser(
+        prog="mima prefetch",
+        description="Fetch what a `mima fit` config needs from the network: the open_clip weights of "
+        "model.clip + model.pretrained (into open_clip's cache under $HF_HOME) and the tasks torchvision can "
+        "download (into data.root). Run it where there is internet (the login node); the compute nodes then "
+        "run offline (HF_HUB_OFFLINE=1).",
+    )
+    parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
+    parser.add_argument("--data.root", dest="data_root", type=Path,
+                        help="the data root, when the config leaves it to the command line (as configs/clip/*.yaml do)")
+    options = parser.parse_args(argv)
+    config = load_run_config(options.config)
+    if options.data_root is not None:
+        config.data.root = str(options.data_root)
+    prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True))
 
 
 # ------------------------------------------------------------------------------- demo

@@ -5,6 +5,7 @@ Each job runs `python -m mima fit` in its own process group; faults come from te
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -146,6 +147,33 @@ def test_preemption_signal_saves_at_the_next_step_and_resumes(tmp_path, small_cl
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_identical(finals(out, TWO), reference(2, TWO))
+
+
+def test_every_process_logs_the_losses_of_its_own_tasks(tmp_path, small_clip):
+    config_file = write_config(tmp_path / "logged.yaml", small_clip, FOUR, 2)
+    config = yaml.safe_load(config_file.read_text())
+    config["trainer"].update(logger=True, log_every_n_steps=1)
+    config_file.write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    result = run_job(config_file, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # rank r owns tasks r and r + 2 (round-robin); rank 0 logs into logs/, rank 1 into logs/rank-00001/
+    logs = {0: out / "logs" / "metrics.csv", 1: out / "logs" / "rank-00001" / "metrics.csv"}
+    owned = {0: FOUR[0::2], 1: FOUR[1::2]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_per_phase = STEPS // ITERATIONS
+    for rank, file in logs.items():
+        with file.open() as handle:
+            rows = list(csv.DictReader(handle))
+        columns = {key for row in rows for key, value in row.items() if key.startswith("train/loss/") and value}
+        assert columns == {f"train/loss/{task}" for task in owned[rank]}, (rank, columns)
+        for task in owned[rank]:
+            losses = [float(row[f"train/loss/{task}"]) for row in rows if row.get(f"train/loss/{task}")]
+            assert len(losses) == STEPS
+            # the per-phase means that the phase sync gathered from every process (metrics.jsonl)
+            for phase, record in enumerate(records):
+                phase_losses = losses[phase * steps_per_phase : (phase + 1) * steps_per_phase]
+                assert record["loss"][task] == pytest.approx(sum(phase_losses) / steps_per_phase, rel=1e-5)
 
 
 @pytest.mark.parametrize("dead_rank", [1, 0])

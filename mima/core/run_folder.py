@@ -86,6 +86,11 @@ class RunFolder:
     def logs_dir(self) -> Path:
         return self.path / "logs"
 
+    def rank_logs_dir(self, rank: int) -> Path:
+        """Where process `rank` writes its CSV log: logs/ for rank 0, logs/rank-RRRRR/ for the others
+        (each process trains its own tasks, so each logs their losses)."""
+        return self.logs_dir if rank == 0 else self.logs_dir / f"rank-{rank:05d}"
+
     def analysis_dir(self, name: str) -> Path:
         return self.path / "analysis" / name
 

@@ -1,19 +1,26 @@
 """Building open_clip models from a name + pretrained tag, a local file, or a local folder.
 
 Accepted sources (`name` / `pretrained`):
-  ViT-B-32 / openai                an open_clip architecture and tag (downloads; not possible offline)
+  ViT-B-32 / openai                an open_clip architecture and tag (downloaded into open_clip's cache
+                                   on first use, or beforehand by `mima prefetch`)
   ViT-B-32 / /path/weights.pt      an architecture and a local checkpoint file
   ViT-B-32 / none                  an architecture with random weights (offline smoke tests)
   local-dir:/path/folder           a folder with open_clip_config.json and weights (the HF-hub layout)
   embedded:tiny-digits             mima's own tiny CLIP, pretrained on first use and cached
 Small test models are written as local-dir folders and loaded the same way as downloaded ones.
+
+A tag's weights are looked up in the local cache first, on disk only. A machine without network
+(HF_HUB_OFFLINE=1 or MIMA_OFFLINE=1) that lacks them fails at once with one line naming
+`mima prefetch`, as does a failed download; this runs in MimaModule.__init__, before any process
+group exists, so every process reports it instead of a collective hanging on a dead peer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +34,8 @@ from mima.core.errors import MimaError
 EMBEDDED_PREFIX = "embedded:"
 LOCAL_DIR_PREFIX = "local-dir:"
 RANDOM_WEIGHTS = ("none", "random")
+# Set to 1/true/yes/on, either one means "no network here": a missing weight file fails at once.
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "MIMA_OFFLINE")
 
 
 @dataclass
@@ -88,12 +97,106 @@ def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | 
             f"model.clip: unknown open_clip architecture '{name}' "
             f"(use e.g. ViT-B-32, local-dir:PATH or embedded:tiny-digits)"
         )
-    if pretrained and not os.path.isfile(pretrained) and pretrained not in open_clip.list_pretrained_tags_by_model(name):
-        raise MimaError(
-            f"model.pretrained: '{pretrained}' is neither a file nor a known tag of {name} "
-            f"(tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or 'none'})"
-        )
+    if pretrained and not os.path.isfile(pretrained):
+        check_pretrained_tag(name, pretrained)
+        fetch_pretrained(name, pretrained)  # in the cache now, or a one-line MimaError naming `mima prefetch`
+        # The tag, not the file: open_clip takes the tag's preprocessing settings from its pretrained
+        # config. With the file cached the hub need not be asked for a newer revision; on a compute
+        # node without network that request would only wait for its timeout.
+        with _hub_offline():
+            return _create(name, pretrained, source=f"{name}:{pretrained}")
     return _create(name, pretrained, source=f"{name}:{pretrained}")
+
+
+def check_pretrained_tag(name: str, tag: str) -> None:
+    """A one-line MimaError unless `tag` is one of open_clip's pretrained tags of architecture `name`."""
+    tags = open_clip.list_pretrained_tags_by_model(name)
+    if tag not in tags:
+        raise MimaError(
+            f"model.pretrained: '{tag}' is neither a file nor a known tag of {name} (tags: {', '.join(tags) or 'none'})"
+        )
+
+
+def offline() -> bool:
+    """True when the environment says this machine has no network (see OFFLINE_VARIABLES)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in OFFLINE_VARIABLES)
+
+
+def cached_pretrained_file(name: str, tag: str) -> str | None:
+    """The file open_clip would load for `name` + pretrained `tag` if it is already in open_clip's
+    download cache, else None. Looks at the disk only, in the order of
+    `open_clip.pretrained.download_pretrained`: the tag's HF-hub repository when it has one (the
+    safetensors alternative before the named file), else the file of its URL under ~/.cache/clip."""
+    from open_clip.constants import HF_WEIGHTS_NAME
+    from open_clip.pretrained import _get_safe_alternatives, get_pretrained_cfg, has_hf_hub
+
+    cfg = get_pretrained_cfg(name, tag)
+    if "file" in cfg:
+        return cfg["file"] if os.path.isfile(cfg["file"]) else None
+    hub, url = cfg.get("hf_hub", ""), cfg.get("url", "")
+    if hub and has_hf_hub():
+        from huggingface_hub import try_to_load_from_cache
+
+        repo_id, filename = os.path.split(hub)  # "org/model/" names the default file, "org/model/file" a file
+        filename = filename or HF_WEIGHTS_NAME
+        for candidate in (*_get_safe_alternatives(filename), filename):
+            found = try_to_load_from_cache(repo_id, candidate)
+            if isinstance(found, str):  # not None, nor the marker of a file known to be absent
+                return found
+        return None
+    if url:
+        path = Path("~/.cache/clip").expanduser() / os.path.basename(url)
+        return str(path) if path.is_file() else None
+    return None
+
+
+def hub_cache_location(name: str, tag: str) -> str:
+    """Where the weights of `name` + `tag` are looked for (for messages)."""
+    from open_clip.pretrained import get_pretrained_cfg, has_hf_hub
+
+    if get_pretrained_cfg(name, tag).get("hf_hub") and has_hf_hub():
+        from huggingface_hub import constants
+
+        return constants.HF_HUB_CACHE
+    return str(Path("~/.cache/clip").expanduser())
+
+
+def fetch_pretrained(name: str, tag: str) -> tuple[str, bool]:
+    """The local weight file of `name` + pretrained `tag`, and whether it was already cached.
+    Downloads it into open_clip's usual cache when missing, unless the machine is offline; a
+    failure is one MimaError line that names `mima prefetch`."""
+    cached = cached_pretrained_file(name, tag)
+    if cached is not None:
+        return cached, True
+    where = f"the weights of {name} ({tag}) are not in the local cache ({hub_cache_location(name, tag)})"
+    advice = "run `mima prefetch --config <your config>` on a machine with internet (e.g. the login node)"
+    if offline():
+        raise MimaError(f"model.pretrained: {where} and this machine is offline; {advice}")
+    from open_clip.pretrained import download_pretrained, get_pretrained_cfg
+
+    try:
+        path = download_pretrained(get_pretrained_cfg(name, tag))
+    except Exception as exc:  # urllib, huggingface_hub and checksum errors alike: no (working) network
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise MimaError(f"model.pretrained: {where} and the download failed ({reason}); {advice}") from None
+    return path, False
+
+
+@contextmanager
+def _hub_offline() -> Iterator[None]:
+    """huggingface_hub's offline mode for the block: cached files only, no request. The hub reads
+    its flag at every request (constants.is_offline_mode), so setting it here is enough."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # open_clip then uses URLs only
+        yield
+        return
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def _create(name: str, pretrained: str | None, source: str) -> LoadedClip:

@@ -214,8 +214,8 @@ class MimaModule(L.LightningModule):
             raise RuntimeError(f"batch at step {self.global_step} does not belong to task slot {position.slot}")
         logits = classify(self.encoder, self.head(position.slot), images)
         loss = F.cross_entropy(logits, labels)
-        task = self.plan.tasks[position.task_index]
-        self.log(f"train/loss/{task}", loss, on_step=True, on_epoch=False)
+        # train/loss/<task> is logged by MimaSyncCallback once per optimiser step: through self.log a
+        # task's last loss would be repeated in every later row of the CSV while other tasks train
         self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         return loss
 

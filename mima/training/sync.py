@@ -51,6 +51,7 @@ class MimaSyncCallback(Callback):
         self.avg: StateDict = {}  # the current phase's start point (device)
         self.segment_ends: dict[int, StateDict] = {}  # slot -> this phase's end weights (CPU)
         self.loss_sums: dict[int, float] = {}
+        self.step_loss = 0.0  # the running step's loss, summed over its micro-batches
         self.task_moments: dict[int, dict] = {}  # slot -> AdamW state (CPU), for optimizer_state="keep"
         self._restored = False
 
@@ -77,14 +78,25 @@ class MimaSyncCallback(Callback):
         step = trainer.global_step - 1 if pl_module.stepped else trainer.global_step
         position = plan.position(step)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # divided by the micro-batch count
-        self.loss_sums[position.slot] = self.loss_sums.get(position.slot, 0.0) + float(loss)
-        if not pl_module.stepped or not plan.ends_segment(step):
+        self.step_loss += float(loss)
+        if not pl_module.stepped:
+            return
+        self.loss_sums[position.slot] = self.loss_sums.get(position.slot, 0.0) + self.step_loss
+        self._log_step_loss(trainer, plan.tasks[position.task_index], step)
+        if not plan.ends_segment(step):
             return
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
             self._end_phase(trainer, pl_module, position.phase, step + 1)
         self._load_into_encoder(pl_module, self.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=(position.slot + 1) % len(plan.local_tasks))
+
+    def _log_step_loss(self, trainer, task: str, step: int) -> None:
+        """The step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
+        own tasks, one row per step."""
+        for logger in trainer.loggers:
+            logger.log_metrics({f"train/loss/{task}": self.step_loss}, step=step)
+        self.step_loss = 0.0
 
     def _end_segment(self, trainer, pl_module, position) -> None:
         plan = pl_module.plan

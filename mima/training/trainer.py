@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from mima.data.datamodule import TaskSuiteDataModule
@@ -37,6 +36,7 @@ from mima.core.run_folder import RunFolder
 from mima.training.checkpointing import MimaCheckpoint, resolve_ckpt_path, run_identity
 from mima.core.layout import TaskLayout
 from mima.training.module import MimaModule
+from mima.training.rank_logger import RankCSVLogger
 from mima.training.run_config import config_error_text
 from mima.training.strategy import MimaStrategy
 
@@ -92,8 +92,7 @@ class MimaCLI(LightningCLI):
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
-            logs = RunFolder(self.run_dir).logs_dir
-            kwargs["logger"] = CSVLogger(save_dir=str(logs.parent), name=logs.name, version="")
+            kwargs["logger"] = RankCSVLogger(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
         every = config.get("checkpoint_every")
         every = self.model.hparams.steps // self.model.hparams.iterations if every is None else every
         if every > 0 and trainer_config.get("enable_checkpointing") is not False:
