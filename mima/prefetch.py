@@ -7,21 +7,21 @@ on disk. It fetches
     model: `mima fit` loads them from there by the same tag;
   - the tasks of the `data:` section that torchvision can download, into `data.root`.
 Everything else is local (embedded models are built on first use into $MIMA_CACHE_DIR, local-dir
-folders, checkpoint files, bundled suites, custom task folders) and is reported as such. Tasks that
-need a manual download end it with the same one-line message `mima fit` would give.
+folders, checkpoint files, bundled suites, custom task folders) and is reported as such. What is
+still missing at the end (say, tasks that need a manual download) is named on one line, exit status 2.
 With HF_HUB_OFFLINE=1 or MIMA_OFFLINE=1 nothing is downloaded: it only checks, so a compute node can
 run it to see whether its caches are complete.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from mima.core.errors import MimaError
-from mima.data import clip_tasks
 from mima.data.check import STATUS_FOUND, check_task
-from mima.data.clip_tasks import REAL_TASKS, require_files
+from mima.data.clip_tasks import REAL_TASKS, TASKS, require_files
 from mima.data.datamodule import resolve_run_tasks
 from mima.data.image_folder import as_folder_task
 from mima.data.tasks import TaskSpec
@@ -34,12 +34,15 @@ from mima.models.clip import (
     fetch_pretrained,
     offline,
 )
-from mima.training.run_config import RunConfig
+from mima.training.run_config import RunConfig, load_run_config
 
 
-def prefetch(config: RunConfig, say: Callable[[str], None] = print) -> list[str]:
-    """Fetch the model weights and datasets `config` needs; one line per item (also passed to `say`
-    as it goes: downloads take a while). A failure is a MimaError, after the other items were tried."""
+def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] = print) -> list[str]:
+    """Fetch the model weights and datasets a run configuration (or config file, or run folder) needs;
+    one line per item (also passed to `say` as it goes: downloads take a while). What could not be
+    fetched ends it with one MimaError line, after every other item was tried."""
+    if not isinstance(config, RunConfig):
+        config = load_run_config(config)
     lines: list[str] = []
     failures: list[str] = []
 
@@ -51,9 +54,11 @@ def prefetch(config: RunConfig, say: Callable[[str], None] = print) -> list[str]
         report(_fetch_model(config.model.clip, config.model.pretrained))
     except MimaError as exc:
         failures.append(str(exc))
-    failures += _fetch_data(config.data_args(), report)
+    data_failure = _fetch_data(config.data_args(), report)
+    if data_failure:
+        failures.append(data_failure)
     if failures:
-        raise MimaError(failures[0] if len(failures) == 1 else f"{len(failures)} items missing: " + " | ".join(failures))
+        raise MimaError(" | ".join(failures))
     return lines
 
 
@@ -71,48 +76,57 @@ def _fetch_model(clip: str, pretrained: str | None) -> str:
     return f"model {clip} ({pretrained}): {'already in the cache' if cached else 'downloaded'}: {path}"
 
 
-def _fetch_data(data: dict, report: Callable[[str], None]) -> list[str]:
-    """Download the run's clip-suite tasks that torchvision can fetch and are not complete under
-    data.root; returns what is still missing, one line per task."""
-    custom = [as_folder_task(task, i) for i, task in enumerate(data.get("custom_tasks") or [])]
+def _fetch_data(data: dict, report: Callable[[str], None]) -> str | None:
+    """Download the run's clip-suite tasks that torchvision can fetch and that are not complete
+    under data.root; what is still missing afterwards, on one line (None: nothing)."""
     try:
+        custom = [as_folder_task(task, i) for i, task in enumerate(data.get("custom_tasks") or [])]
         specs = resolve_run_tasks(data.get("suite"), data.get("tasks"), custom)
     except MimaError as exc:
-        return [str(exc)]
+        return str(exc)
     custom_names = {task.name for task in custom}
-    failures: list[str] = []
+    missing: dict[str, str] = {}  # task -> its one-line message (alone, `mima fit`'s where it has one)
+    why: dict[str, str] = {}  # task -> why it is still missing, for the summary of several
     for spec in specs:
         if not _is_benchmark_task(spec):
             where = "a local folder" if spec.name in custom_names else "bundled or generated locally"
             report(f"data {spec.name}: {where} (no download)")
             continue
-        task = REAL_TASKS[spec.name]
         if not data.get("root"):
-            return [*failures, f"data.root: task {spec.name} is read from disk; set data.root (or --data.root DIR) "
-                               "to the folder that holds or is to hold its files"]
-        root = Path(data["root"]).expanduser()
+            return (f"data.root: task {spec.name} is read from disk; set data.root (or --data.root DIR) "
+                    "to the folder that holds or is to hold its files")
+        task, root = REAL_TASKS[spec.name], Path(data["root"]).expanduser()
         if check_task(task, root).status == STATUS_FOUND:
             report(f"data {spec.name}: already under {root}")
             continue
         if task.downloadable and offline():
-            failures.append(f"data.root: task {spec.name} is not under {root} and this machine is offline; "
-                            "run `mima prefetch --config <your config>` on a machine with internet")
+            missing[spec.name] = (f"data.root: task {spec.name} is not under {root} and this machine is offline; "
+                                  "run `mima prefetch --config <your config>` on a machine with internet")
+            why[spec.name] = "offline"
             continue
         if task.downloadable:
             report(f"data {spec.name}: downloading with torchvision into {root} ...")
             try:
                 task.download(root)
             except Exception as exc:  # network errors, bad archives, torchvision's RuntimeErrors: report and go on
-                failures.append(f"data.root: download of {spec.name} failed ({' '.join(str(exc).split())[:200]})")
+                reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+                missing[spec.name] = f"data.root: download of {spec.name} into {root} failed ({reason})"
+                why[spec.name] = f"download failed: {reason}"
                 continue
         try:
-            require_files(task, str(root), download=False)  # still missing: the message `mima fit` would give
+            require_files(task, str(root), download=False)  # still missing: the message `mima fit` gives
             report(f"data {spec.name}: downloaded into {root}")
         except MimaError as exc:
-            failures.append(str(exc))
-    return failures
+            missing[spec.name] = str(exc)
+            why[spec.name] = "incomplete after the download" if task.downloadable else "manual download"
+    if len(missing) <= 1:
+        return next(iter(missing.values()), None)
+    root = Path(data["root"]).expanduser()
+    listed = ", ".join(f"{name} ({why[name]})" for name in missing)
+    return (f"data.root: {len(missing)} tasks are missing under {root}: {listed}; "
+            f"`mima data check --root {root}` lists what each needs and where to get it")
 
 
 def _is_benchmark_task(spec: TaskSpec) -> bool:
     # The same test as check_specs: a custom task may share a benchmark task's name.
-    return clip_tasks.TASKS.get(spec.name) is spec
+    return TASKS.get(spec.name) is spec

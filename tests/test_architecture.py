@@ -42,7 +42,7 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "merging": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.convert"}
+COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.convert", "mima.prefetch"}
 
 
 def layer_of(module: str) -> str:

@@ -18,7 +18,9 @@ from huggingface_hub.file_download import repo_folder_name
 
 from mima.cli import main
 from mima.core.errors import MimaError
-from mima.models.clip import cached_pretrained_file, fetch_pretrained
+from mima.models.clip import cached_pretrained_file, fetch_pretrained, load_clip
+from mima.prefetch import prefetch
+from mima.training.run_config import load_run_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENAI_B32_REPO = "timm/vit_base_patch32_clip_224.openai"  # open_clip's hf_hub of ViT-B-32 / openai
@@ -138,6 +140,21 @@ def test_fetch_offline_with_an_empty_cache_is_one_line_naming_prefetch(hub_cache
     assert "\n" not in message and "mima prefetch --config" in message and str(hub_cache) in message
 
 
+# open_clip 3.x builds ViT-B-32 with GELU and only warns that the openai tag was trained with QuickGELU
+@pytest.mark.filterwarnings("ignore:QuickGELU mismatch")
+def test_a_cached_file_is_loaded_offline_by_its_tag_and_a_damaged_one_is_one_line(hub_cache):
+    """Offline, with the file in the cache, open_clip gets the tag and reads that very file (here a
+    damaged one, so the test needs no real weights): the error names it, not the network."""
+    damaged = cache_file(hub_cache, OPENAI_B32_REPO, "open_clip_pytorch_model.bin")
+    hub_offline_before = hub_constants.HF_HUB_OFFLINE
+    with pytest.raises(MimaError) as caught:
+        load_clip("ViT-B-32", "openai")
+    message = str(caught.value)
+    assert message.startswith(f"model 'ViT-B-32:openai': could not be loaded from {damaged} (")
+    assert "\n" not in message and "offline" not in message
+    assert hub_constants.HF_HUB_OFFLINE == hub_offline_before  # the hub's offline switch is restored
+
+
 # ---------------------------------------------------------------- the login node: `mima prefetch`
 def test_prefetch_of_a_local_model_and_bundled_tasks_has_nothing_to_fetch(tmp_path, small_clip, hub_cache, capsys):
     config = write_config(tmp_path / "local.yaml", {"clip": small_clip}, {"suite": "digits", "tasks": ["rot90", "mirror"]})
@@ -148,6 +165,10 @@ def test_prefetch_of_a_local_model_and_bundled_tasks_has_nothing_to_fetch(tmp_pa
         f"mima prefetch: model {small_clip}: a local folder (no download)",
         "mima prefetch: data rot90: bundled or generated locally (no download)",
         "mima prefetch: data mirror: bundled or generated locally (no download)",
+    ]
+    # the function itself, on the file or on a loaded configuration: the same lines, returned
+    assert prefetch(config, say=lambda line: None) == prefetch(load_run_config(config), say=lambda line: None) == [
+        line.removeprefix("mima prefetch: ") for line in captured.out.splitlines()
     ]
 
 
@@ -161,18 +182,37 @@ def test_prefetch_reports_cached_weights_without_building_the_model(tmp_path, hu
     assert out[0] == f"mima prefetch: model ViT-B-32 (openai): already in the cache: {weights}"
 
 
-def test_prefetch_offline_names_every_missing_item_on_one_line(tmp_path, small_clip, hub_cache, capsys):
+def test_prefetch_offline_names_every_missing_item_on_one_line(tmp_path, hub_cache, capsys):
     """On a machine without network prefetch only checks: a weight file missing from the cache, a task
     torchvision could download and a task that needs a manual download are all named, on one line."""
+    root = tmp_path / "data"
     config = write_config(tmp_path / "clip.yaml", {"clip": "ViT-B-32", "pretrained": "openai"},
-                          {"suite": "clip", "tasks": ["MNIST", "DTD"], "root": str(tmp_path / "data")})
+                          {"suite": "clip", "tasks": ["MNIST", "DTD"], "root": str(root)})
     assert main(["prefetch", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("mima prefetch: error: 3 items missing: model.pretrained: the weights of ViT-B-32 (openai)")
-    assert "task MNIST is not under" in err[0] and "offline" in err[0]
-    assert "task DTD not found under" in err[0]  # `mima fit`'s own message, with the task's source
-    assert not (tmp_path / "data").exists()  # nothing was downloaded or created
+    model, data = err[0].split(" | ")
+    assert model.startswith("mima prefetch: error: model.pretrained: the weights of ViT-B-32 (openai) are not in the local cache")
+    assert data == (f"data.root: 2 tasks are missing under {root}: MNIST (offline), DTD (manual download); "
+                    f"`mima data check --root {root}` lists what each needs and where to get it")
+    assert not root.exists()  # nothing was downloaded or created
+
+
+def test_prefetch_of_one_task_to_download_by_hand_gives_the_message_of_mima_fit(tmp_path, small_clip, hub_cache, capsys):
+    root = tmp_path / "data"
+    config = write_config(tmp_path / "dtd.yaml", {"clip": small_clip}, {"suite": "clip", "tasks": ["DTD"], "root": str(root)})
+    assert main(["prefetch", "--config", str(config)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"mima prefetch: model {small_clip}: a local folder (no download)"]
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mima prefetch: error: data.root: task DTD not found under {root}; expected: dtd/train/")
+
+
+def test_prefetch_of_a_clip_suite_config_without_a_data_root_names_the_option(tmp_path, small_clip, hub_cache, capsys):
+    config = write_config(tmp_path / "noroot.yaml", {"clip": small_clip}, {"suite": "clip", "tasks": ["MNIST"]})
+    assert main(["prefetch", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.root: task MNIST is read from disk" in err[0] and "--data.root DIR" in err[0]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import open_clip
 from open_clip.transform import PreprocessCfg, image_transform_v2
+from safetensors import SafetensorError
 import torch
 from torch import nn
 
@@ -99,12 +101,12 @@ def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | 
         )
     if pretrained and not os.path.isfile(pretrained):
         check_pretrained_tag(name, pretrained)
-        fetch_pretrained(name, pretrained)  # in the cache now, or a one-line MimaError naming `mima prefetch`
+        path, _ = fetch_pretrained(name, pretrained)  # in the cache now, or a one-line MimaError naming `mima prefetch`
         # The tag, not the file: open_clip takes the tag's preprocessing settings from its pretrained
         # config. With the file cached the hub need not be asked for a newer revision; on a compute
         # node without network that request would only wait for its timeout.
         with _hub_offline():
-            return _create(name, pretrained, source=f"{name}:{pretrained}")
+            return _create(name, pretrained, source=f"{name}:{pretrained}", weights=path)
     return _create(name, pretrained, source=f"{name}:{pretrained}")
 
 
@@ -199,20 +201,32 @@ def _hub_offline() -> Iterator[None]:
         constants.HF_HUB_OFFLINE = before
 
 
-def _create(name: str, pretrained: str | None, source: str) -> LoadedClip:
+def _create(name: str, pretrained: str | None, source: str, weights: str | None = None) -> LoadedClip:
     try:
-        model = open_clip.create_model(name, pretrained=pretrained)
-    except RuntimeError as exc:
-        # open_clip raises RuntimeError for failed downloads and for weights that do not fit.
-        raise MimaError(f"model '{source}': could not be loaded ({str(exc).splitlines()[0]})") from None
+        model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=needs_quick_gelu(name, pretrained))
+    except (RuntimeError, pickle.UnpicklingError, SafetensorError) as exc:
+        # open_clip raises RuntimeError for failed downloads and for weights that do not fit; a damaged
+        # weight file (say, a cache copied over incompletely) fails in torch's unpickler or in safetensors.
+        where = f" from {weights}" if weights else ""
+        raise MimaError(f"model '{source}': could not be loaded{where} ({str(exc).splitlines()[0]})") from None
     tokenizer = open_clip.get_tokenizer(name)
     model.eval()
     return LoadedClip(model=model, tokenizer=tokenizer, source=source)
 
 
+def needs_quick_gelu(name: str, pretrained: str | None) -> bool:
+    """Whether the weights of tag `pretrained` were trained with QuickGELU (OpenAI's CLIP weights
+    were). open_clip 3 records it in the tag's pretrained config but builds `ViT-B-32` with GELU
+    and only warns of the mismatch, so it has to be asked for."""
+    if not pretrained or os.path.isfile(pretrained):
+        return False
+    return bool(open_clip.get_pretrained_cfg(name, pretrained).get("quick_gelu", False))
+
+
 def text_tower_fingerprint(model: nn.Module) -> str:
-    """A hash of every weight outside the image tower: zero-shot heads depend on nothing else."""
-    digest = hashlib.sha256()
+    """A hash of the modules (activations included: QuickGELU or GELU) and of every weight outside
+    the image tower: zero-shot heads depend on nothing else."""
+    digest = hashlib.sha256(repr(model).encode())
     for key, tensor in sorted(model.state_dict().items()):
         if key.startswith("visual."):
             continue
