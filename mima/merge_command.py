@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mima.core.errors import MimaError
-from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
+from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import MERGE_METHODS, get_method
 from mima.merging.engine import expand_models, merge_to_file, open_inputs, write_state_dict
@@ -72,8 +72,9 @@ def run_merge(options) -> None:
     given = given_hyperparameters(options, method)
     if not options.overwrite:
         refuse_overwrite([options.output, *results_paths(options.output)])
-    _, run_tasks, run_base = expand_models(options.models)
+    model_paths, run_tasks, run_base = expand_models(options.models)
     base_path = options.base if options.base is not None else run_base
+    refuse_input_as_output(options.output, [*model_paths, *([base_path] if base_path is not None else [])])
     if method.needs_base and base_path is None:
         raise MimaError(f"merge method '{method.name}' needs the pretrained model: pass --base")
     config = options.config or (options.models[0] if run_tasks is not None else None)

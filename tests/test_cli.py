@@ -146,6 +146,24 @@ def test_merge_never_overwrites_without_being_asked(checkpoints, tmp_path, capsy
     assert code == 0 and out.read_bytes() != b"user data"
 
 
+@pytest.mark.parametrize("alias", ["same", "symlink", "hardlink", "base"])
+def test_merge_never_replaces_an_input_even_with_overwrite(checkpoints, tmp_path, capsys, alias):
+    import os
+
+    inputs = {name: checkpoints[name] for name in ("base", "m1", "m2")}
+    before = {name: path.read_bytes() for name, path in inputs.items()}
+    target = {"same": inputs["m1"], "base": inputs["base"], "symlink": tmp_path / "link.safetensors",
+              "hardlink": tmp_path / "hard.safetensors"}[alias]
+    if alias == "symlink":
+        target.symlink_to(inputs["m2"])
+    if alias == "hardlink":
+        os.link(inputs["m2"], target)
+    code, err = _run(["merge", "--method", "task_arithmetic", "--base", inputs["base"], "--models", inputs["m1"],
+                      inputs["m2"], "--output", target, "--overwrite"], capsys)
+    _assert_one_line_error(code, err, f"--output {target}: is the input")
+    assert {name: path.read_bytes() for name, path in inputs.items()} == before
+
+
 def _fit_argv(tmp_path, small_clip, **changes) -> list[str]:
     config = fit_config(tmp_path / "run", small_clip, ["rot90", "mirror"], steps=6, iterations=2)
     argv = ["fit", "--model.clip", small_clip, "--out", config["out"], "--trainer.accelerator", "cpu",
@@ -179,6 +197,14 @@ def test_fit_refuses_to_overwrite_an_earlier_run(tmp_path, small_clip, capsys):
     code, err = _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01"}), capsys)
     _assert_one_line_error(code, err, "already holds a run", "--overwrite")
     assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() == before
+    # --overwrite with a mistake found late (3 processes for 2 tasks, checked after the Trainer
+    # exists; a typo in the config): refused, and the earlier run is still all there
+    files_before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    for mistake in ({"trainer.devices": "3"}, {"model.iterations": "4"}):
+        code, err = _run(_fit_argv(tmp_path, small_clip, **mistake, overwrite="true"), capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == files_before
+        assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() == before
     assert _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01", "overwrite": "true"}), capsys)[0] == 0
     assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() != before
 

@@ -29,6 +29,17 @@ def refuse_overwrite(paths: Iterable[str | os.PathLike], what: str | None = None
     raise MimaError(f"{what}: already holds {names}; {hint} or choose another")
 
 
+def refuse_input_as_output(output: str | os.PathLike, inputs: Iterable[str | os.PathLike], option: str = "--output") -> None:
+    """Raise a MimaError if `output` already is one of `inputs` (the same file under any name: a
+    symlink, a hard link, another spelling of the path), so that no `--overwrite` can replace an input."""
+    output = Path(output)
+    if not output.exists():
+        return
+    for path in inputs:
+        if Path(path).exists() and os.path.samefile(output, path):
+            raise MimaError(f"{option} {output}: is the input {path}; an input is never replaced, choose another output")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.

@@ -168,17 +168,22 @@ class RunFolder:
         return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
 
     # ---------------------------------------------------------------------------- write
+    def check_target(self, resuming: bool, overwrite: bool) -> list[Path]:
+        """Refuse to clobber an earlier run unless resuming it or asked to overwrite it; return what
+        `prepare` would remove. Changes nothing, so it can run before every other check."""
+        earlier = [path for path in self.training_outputs() if path.exists() or path.is_symlink()]
+        if earlier and not resuming and not overwrite:
+            raise MimaError(
+                f"--out {self.path}: already holds a run ({', '.join(p.name for p in earlier)}); "
+                "resume it with --ckpt_path last, pick another --out, or pass --overwrite"
+            )
+        return [] if resuming else earlier
+
     def prepare(self, resuming: bool, overwrite: bool) -> None:
-        """Refuse to clobber an earlier run unless resuming it or asked to overwrite it."""
-        earlier = [path for path in self.training_outputs() if path.exists()]
-        if earlier and not resuming:
-            if not overwrite:
-                raise MimaError(
-                    f"--out {self.path}: already holds a run ({', '.join(p.name for p in earlier)}); "
-                    "resume it with --ckpt_path last, pick another --out, or pass --overwrite"
-                )
-            for path in earlier:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        """`check_target`, then remove an overwritten run's outputs and create the folder. Call it
+        only once every other input has been checked: an overwritten run is gone afterwards."""
+        for path in self.check_target(resuming, overwrite):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, text: str) -> None:

@@ -86,9 +86,12 @@ class MimaCLI(LightningCLI):
         _set_threads(config.get("threads_per_process"))
         self.run_dir = resolve_run_dir(config.get("out"))
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
-            RunFolder(self.run_dir).prepare(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
+            RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         # the joint baseline trains one model on all tasks: one "task" for the process layout (plain DDP)
         num_tasks = 1 if self.model.hparams.mode == "joint" else len(self.datamodule.task_names)
+        devices, nodes = str(trainer_config.get("devices", 1)), str(trainer_config.get("num_nodes", 1))
+        if devices.isdigit() and int(devices) > 0 and nodes.isdigit():  # "auto", lists: known once the Trainer exists
+            check_layout(num_tasks, int(devices) * int(nodes), self.datamodule.hparams.batch_size)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
@@ -101,6 +104,16 @@ class MimaCLI(LightningCLI):
         else:
             kwargs["enable_checkpointing"] = False
         return super().instantiate_trainer(**kwargs)
+
+
+def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout:
+    """The process layout of T tasks on W processes, refused (one line) where it cannot work."""
+    layout = TaskLayout(num_tasks, world_size)
+    if batch_size % layout.replicas:
+        raise MimaError(
+            f"data.batch_size={batch_size} does not split evenly over the {layout.replicas} processes that share each task"
+        )
+    return layout
 
 
 def _strategy(configured, num_tasks: int, timeout_s: int) -> MimaStrategy:
@@ -204,16 +217,13 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
     world_size = trainer.num_nodes * trainer.num_devices
-    layout = TaskLayout(1 if module.hparams.mode == "joint" else len(data.task_names), world_size)
-    if data.hparams.batch_size % layout.replicas:
-        raise MimaError(
-            f"data.batch_size={data.hparams.batch_size} does not split evenly over the {layout.replicas} "
-            "processes that share each task"
-        )
+    check_layout(1 if module.hparams.mode == "joint" else len(data.task_names), world_size, data.hparams.batch_size)
     iterations = 1 if module.hparams.mode == "joint" else module.hparams.iterations
     expected = run_identity(data.task_names, module.hparams.steps, iterations, world_size, module.hparams.mode)
     ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), RunFolder(run_dir).checkpoints_dir, expected)
     if trainer.is_global_zero and launch_rank() == 0:
+        # only now, with every input checked, may an earlier run that --overwrite replaces be removed
+        RunFolder(run_dir).prepare(resuming=cli.config.get("ckpt_path") is not None, overwrite=bool(cli.config.get("overwrite")))
         if cli.config.get("ckpt_path") is not None:
             print(f"mima fit: resuming from {ckpt_path}" if ckpt_path else "mima fit: no checkpoint yet, starting fresh")
         RunFolder(run_dir).write_config(cli.parser.dump(cli.config, skip_none=False))
