@@ -87,6 +87,7 @@ def run_merge(options) -> None:
         pool = task_pool(config)
 
     with open_inputs(options.models, base_path) as inputs:
+        check_model_count(method, given, len(inputs.models))
         if pool is not None and len(inputs.models) != len(pool.tasks):
             raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
         metadata = {"method": method.name, "models": [str(p) for p in inputs.paths[-len(inputs.models):]],
@@ -136,6 +137,15 @@ def select_per_task(method: MergeMethod, models, base, pool: "TaskPool") -> Sele
     trials = [{name: value, "task": task, "score": scores[value][t]} for value in values for t, task in enumerate(pool.tasks)]
     chosen = method.hyperparameters({name: best})
     return Selection(method.name, chosen, None, trials, method(models, base, **{name: best}))
+
+
+def check_model_count(method: MergeMethod, given: dict, count: int) -> None:
+    """A merge of one model is that model; consensus with k above T keeps nothing but theta_0."""
+    if count < 2:
+        raise MimaError(f"--models: merging needs at least 2 task models, got {count}")
+    min_tasks = given.get("min_tasks", method.defaults.get("min_tasks"))
+    if isinstance(min_tasks, int) and min_tasks > count:
+        raise MimaError(f"--min-tasks {min_tasks}: more than the {count} models given (each entry can be chosen by at most {count} tasks)")
 
 
 def results_paths(output: Path) -> tuple[Path, Path]:

@@ -164,6 +164,10 @@ def _data_free_per_model(merges: Sequence[str]) -> list:
     per_task = [method.name for method in methods if method.per_task]
     if per_task:
         raise MimaError(f"--merges: '{per_task[0]}' keeps one model per task; use `mima merge` for it")
+    needs_data = [method.name for method in methods if method.needs_data]
+    if needs_data:  # they train on each N's validation data for minutes; the table compares data-free merges
+        raise MimaError(f"--merges: '{needs_data[0]}' learns from task data; the table takes data-free merges, "
+                        f"use `mima merge --method {needs_data[0]}` for it")
     return methods
 
 

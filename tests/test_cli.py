@@ -164,6 +164,39 @@ def test_merge_never_replaces_an_input_even_with_overwrite(checkpoints, tmp_path
     assert {name: path.read_bytes() for name, path in inputs.items()} == before
 
 
+@pytest.mark.parametrize("method", ["uniform", "task_arithmetic", "ties"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_merge_refuses_non_finite_weights(checkpoints, tmp_path, capsys, method, bad):
+    poisoned = load_state_dict(checkpoints["m2"])
+    key = sorted(k for k, v in poisoned.items() if v.is_floating_point())[0]
+    poisoned[key].view(-1)[3] = bad
+    path = tmp_path / "poisoned.safetensors"
+    save_state_dict(path, poisoned)
+    out = tmp_path / "merged.safetensors"
+    code, err = _run(["merge", "--method", method, "--base", checkpoints["base"], "--models", checkpoints["m1"], path,
+                      "--output", out], capsys)
+    _assert_one_line_error(code, err, str(path), f"'{key}'", "NaN or Inf")
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_merge_refuses_a_result_that_overflows(checkpoints, tmp_path, capsys):
+    out = tmp_path / "merged.safetensors"
+    code, err = _run(["merge", "--method", "task_arithmetic", "--base", checkpoints["base"], "--models", checkpoints["m1"],
+                      checkpoints["m2"], "--lam", "1e308", "--output", out], capsys)
+    _assert_one_line_error(code, err, "overflows to Inf or NaN", "--lam")
+    assert not out.exists()
+
+
+def test_merge_refuses_one_model_and_more_min_tasks_than_models(checkpoints, tmp_path, capsys):
+    out = tmp_path / "merged.safetensors"
+    code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], "--output", out], capsys)
+    _assert_one_line_error(code, err, "at least 2 task models, got 1")
+    code, err = _run(["merge", "--method", "consensus", "--base", checkpoints["base"], "--models", checkpoints["m1"],
+                      checkpoints["m2"], "--min-tasks", "3", "--output", out], capsys)
+    _assert_one_line_error(code, err, "--min-tasks 3", "2 models")
+    assert not out.exists()
+
+
 def _fit_argv(tmp_path, small_clip, **changes) -> list[str]:
     config = fit_config(tmp_path / "run", small_clip, ["rot90", "mirror"], steps=6, iterations=2)
     argv = ["fit", "--model.clip", small_clip, "--out", config["out"], "--trainer.accelerator", "cpu",

@@ -29,12 +29,16 @@ from mima.core.state_dicts import check_compatible
 class OrderedView(Mapping[str, torch.Tensor]):
     """A reader seen through a fixed key order (so every input iterates alike)."""
 
-    def __init__(self, reader: SafetensorsReader, order: Sequence[str]) -> None:
-        self.reader, self.order = reader, list(order)
+    def __init__(self, reader: SafetensorsReader, order: Sequence[str], path: Path | None = None) -> None:
+        self.reader, self.order, self.path = reader, list(order), path
         self.infos: dict[str, TensorInfo] = {key: reader.infos[key] for key in self.order}
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self.reader[key]
+        tensor = self.reader[key]
+        # a NaN or Inf in one input silently poisons every merge of it (sums, signs, SVDs)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise MimaError(f"{self.path or 'an input'}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights")
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.order)
@@ -74,7 +78,7 @@ def open_inputs(model_paths: Sequence[Path], base_path: Path | None) -> Iterator
         readers = [stack.enter_context(SafetensorsReader(path)) for path in paths]
         check_compatible({str(path): reader.infos for path, reader in zip(paths, readers)})
         order = list(readers[0].infos)
-        views = [OrderedView(reader, order) for reader in readers]
+        views = [OrderedView(reader, order, path) for reader, path in zip(readers, paths)]
         base = views[0] if base_path is not None else None
         yield MergeInputs(base, views[1:] if base_path is not None else views, tasks, paths)
 
@@ -93,7 +97,7 @@ def merge_to_file(
     stream = method.stream(inputs.models, inputs.base, **hparams)  # checks before the file is opened
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer:
         for key, tensor in stream:
-            writer.write(key, tensor)
+            writer.write(key, check_finite_output(method.name, key, tensor))
 
 
 def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Sequence[str], metadata, overwrite=False) -> None:
@@ -101,4 +105,11 @@ def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Seq
     specs = [(key, state[key].shape, state[key].dtype) for key in order]
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer:
         for key in order:
-            writer.write(key, state[key])
+            writer.write(key, check_finite_output(str(metadata.get("method", "the merge")), key, state[key]))
+
+
+def check_finite_output(method: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Finite inputs can still overflow (say `--lam 1e308`); such a model is refused, not written."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise MimaError(f"{method}: the merged tensor '{key}' overflows to Inf or NaN; check the hyperparameters (e.g. --lam)")
+    return tensor
