@@ -73,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_command(rest)
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
+    except KeyboardInterrupt:
+        # Ctrl-C: files being written are temporary until renamed (mima.core.files), so nothing is half written
+        print(f"mima {command}: interrupted", file=sys.stderr)
+        return 130
     except MimaError as exc:
         # name the subcommand too (`mima analyze landscape: error: ...`), unless it is the mistake itself
         label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command

@@ -25,7 +25,6 @@ from mima.merging.selection import merge_with_defaults, select_on_validation
 from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.core.plan import check_budget
-from mima.pools import task_pool
 from mima.training.run_config import load_run_config
 from mima.training.trainer import run_fit
 
@@ -88,15 +87,15 @@ def evaluate_runs(
     results table and plots to `out_dir`."""
     started = started or time.time()
     methods = _data_free_per_model(merges)
-    sweep = SweepFolder(out_dir)
-    sweep.prepare(overwrite)
-    every_run = [RunFolder(Path(run_dir)) for run_dir in run_dirs]
+    every_run = [finished_run(Path(run_dir)) for run_dir in run_dirs]
     joint_runs = [run for run in every_run if run.is_joint()]
     runs = [run for run in every_run if not run.is_joint()]
     if len(joint_runs) > 1 or not runs:
         raise MimaError("mima evaluate takes MIMA runs (one per N) and at most one joint run (model.mode: joint)")
     config = load_run_config(runs[0])
     pool = task_pool(config)
+    sweep = SweepFolder(out_dir)
+    sweep.prepare(overwrite)  # only now: a mistake above leaves no empty --out behind
     if torch.cuda.is_available() and not any(method.needs_data for method in methods):
         pool.encoder.to("cuda")  # evaluation only; data-dependent merges keep the pool on the CPU
     for run in runs[1:] + joint_runs:
@@ -109,7 +108,7 @@ def evaluate_runs(
     print(f"{head_kind} heads, test accuracy at theta_0: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in zero_shot.items()))
     joint = test.accuracy(joint_runs[0].joint()) if joint_runs else None
     if joint is not None:
-        print(f"joint multi-task model, test accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in joint.items()))
+        print("joint multi-task model, test accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in joint.items()))
 
     results: list[ModelResult] = []
     pairwise: dict[int, list[float]] = {}
@@ -157,6 +156,19 @@ def evaluate_runs(
     print(markdown_text(results, title=title))
     print(f"Wrote {out_dir}/results.{{json,csv,md}}, selection.json and plots in {seconds:.0f} s.")
     return results
+
+
+def finished_run(path: Path) -> RunFolder:
+    """`path` as the folder of a finished `mima fit` run, or a one-line error saying what it is instead."""
+    if not path.exists():
+        raise MimaError(f"{path}: no such run folder (give folders written by `mima fit --out`)")
+    if not path.is_dir():
+        raise MimaError(f"{path}: a file, not a run folder (give folders written by `mima fit --out`)")
+    run = RunFolder(path)
+    if not run.is_finished():
+        raise MimaError(f"{path}: not a finished run (no final/ task models; resume it with `mima fit ... --ckpt_path last`)")
+    run.iterations()  # reads the final models' metadata: a damaged file is named before anything is written
+    return run
 
 
 def _data_free_per_model(merges: Sequence[str]) -> list:

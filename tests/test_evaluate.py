@@ -71,3 +71,28 @@ def test_evaluate_takes_data_free_merges_only(tmp_path, small_clip, capsys, merg
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0] and "mima merge" in err[0], err
     assert time.monotonic() - started < 30 and not (tmp_path / "t").exists()
+
+
+@pytest.fixture
+def finished_run(tmp_path, small_clip):
+    return run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1)).run_dir
+
+
+@pytest.mark.parametrize(
+    "damage, argv, fragment",
+    [
+        (lambda run: (run / "metrics.jsonl").write_text("{bad\n"), ["analyze", "cosine", "{run}"], "metrics.jsonl: line 1 is not valid JSON"),
+        (lambda run: sorted((run / "final").glob("*.json"))[0].write_text("[1, 2]"), ["evaluate", "{run}", "--out", "{out}"], "expected a JSON object"),
+        (lambda run: (run / "config.yaml").write_text("model: [\n"), ["report", "{run}"], "config.yaml: not valid YAML"),
+        (lambda run: None, ["evaluate", "{run}/final/rot90.safetensors", "--out", "{out}"], "a file, not a run folder"),
+        (lambda run: None, ["evaluate", "{run}/nope", "--out", "{out}"], "no such run folder"),
+    ],
+    ids=["metrics-jsonl", "final-json", "config-yaml", "file-for-folder", "missing"],
+)
+def test_damaged_or_wrong_run_folders_are_one_line_and_leave_no_output(finished_run, tmp_path, capsys, damage, argv, fragment):
+    damage(finished_run)
+    out = tmp_path / "table"
+    code = main([arg.format(run=finished_run, out=out) for arg in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and fragment in err[0], err
+    assert not out.exists()

@@ -49,8 +49,13 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
     target = Path(path)
     if not overwrite:
         refuse_overwrite([target])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    if target.is_dir():
+        raise MimaError(f"{target}: is a folder; give a file name to write")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:  # a read-only folder, a path through a file, a full disk
+        raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -87,3 +92,36 @@ def replace_symlink(target_name: str, link: Path) -> None:
         temporary.unlink()
     os.symlink(target_name, temporary)
     os.replace(temporary, link)
+
+
+def read_json(path: str | os.PathLike, expect: type = dict) -> object:
+    """A JSON file that a mima command wrote (run folders, results), or one line naming the file if
+    it was damaged or edited into something else."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except OSError as exc:
+        raise MimaError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MimaError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, expect):
+        raise MimaError(f"{path}: expected a JSON {'object' if expect is dict else 'list'}, found {type(value).__name__}")
+    return value
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """A JSON-lines file of objects (metrics.jsonl), one line naming the file and line if damaged."""
+    path = Path(path)
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MimaError(f"{path}: line {number} is not valid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise MimaError(f"{path}: line {number} is not a JSON object")
+        records.append(record)
+    return records
+

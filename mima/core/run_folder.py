@@ -37,7 +37,7 @@ import torch
 import yaml
 
 from mima.core.errors import MimaError
-from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
+from mima.core.files import read_json, read_json_lines, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 
 StateDict = dict[str, torch.Tensor]
@@ -140,10 +140,13 @@ class RunFolder:
         metadata_files = sorted(self.final_dir.glob("*.json"))
         if not metadata_files:
             raise MimaError(f"{self.path}: no final/<task>.json files (is this a finished `mima fit` run folder?)")
-        return list(json.loads(metadata_files[0].read_text())["tasks"])
+        tasks = read_json(metadata_files[0]).get("tasks")
+        if not isinstance(tasks, list) or not all(isinstance(task, str) for task in tasks):
+            raise MimaError(f"{metadata_files[0]}: no list of task names under 'tasks'")
+        return tasks
 
     def final_metadata(self, task: str) -> dict:
-        return json.loads(self.final_metadata_file(task).read_text())
+        return read_json(self.final_metadata_file(task))
 
     def iterations(self) -> int | None:
         """N of the run, from its final checkpoints' metadata (None for a joint run: no phases)."""
@@ -165,7 +168,7 @@ class RunFolder:
     def phase_records(self) -> list[dict]:
         if not self.metrics_file.is_file():
             return []
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        return read_json_lines(self.metrics_file)
 
     # ---------------------------------------------------------------------------- write
     def check_target(self, resuming: bool, overwrite: bool) -> list[Path]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mima.core.run_folder import SweepFolder
-from mima.core.files import write_json_atomic, write_text_atomic
+from mima.core.files import read_json, write_json_atomic, write_text_atomic
 
 
 @dataclass
@@ -186,11 +186,11 @@ def markdown_text(
 def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
     """The ModelResults of a results folder (results.json, with the choices from selection.json)."""
     sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
-    rows = json.loads(sweep.results_json.read_text())
+    rows = read_json(sweep.results_json, expect=list)
     selection_file = sweep.selection_json
     chosen = {}
     if selection_file.is_file():
-        for entry in json.loads(selection_file.read_text()).get("selection", []):
+        for entry in read_json(selection_file).get("selection", []):
             chosen[(entry["N"], entry["model"])] = entry
     results: dict[tuple[int, str], ModelResult] = {}
     for row in rows:

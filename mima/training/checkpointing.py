@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mima.core.errors import MimaError
-from mima.core.files import atomic_path, replace_symlink, write_json_atomic
+from mima.core.files import atomic_path, replace_symlink
 
 LAST = "last.ckpt"
 META = "meta.json"

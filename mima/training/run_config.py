@@ -87,7 +87,7 @@ def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfi
     folder = source if isinstance(source, RunFolder) else RunFolder(Path(source))
     if folder.path.is_dir():
         return parse_run_config(folder.config_dict(), str(folder.config_file))
-    path = Path(source)
+    path = folder.path
     if not path.is_file():
         raise MimaError(f"--config {path}: no such file or run folder")
     import yaml
