@@ -78,7 +78,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         # Protocol-2 pickles (torch.save's default) use Python 2's module names.
         module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
         allowed = {
-            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
             ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
             ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
             ("collections", "OrderedDict"): collections.OrderedDict,
@@ -104,11 +104,39 @@ class RestrictedUnpickler(pickle.Unpickler):
             "tensor; nothing from the file was run"
         )
 
+    def _rebuild_tensor(self, storage, storage_offset, size, stride, *rest):
+        """torch's own rebuild, after checking that the view stays inside its storage: a truncated or
+        crafted file must not make torch read memory the file never held."""
+        if not (isinstance(storage_offset, int) and all(isinstance(v, int) for v in (*size, *stride))):
+            raise MimaError(f"{self.source}: a tensor record with a non-integer offset, shape or stride")
+        if storage_offset < 0 or any(v < 0 for v in (*size, *stride)) or len(size) != len(stride):
+            raise MimaError(f"{self.source}: a tensor record with a negative offset, shape or stride")
+        last = storage_offset + sum((n - 1) * step for n, step in zip(size, stride)) if all(size) else -1
+        if last >= storage.size():
+            raise MimaError(
+                f"{self.source}: a tensor of shape {tuple(size)} needs {last + 1} elements of its storage, which "
+                f"holds {storage.size()} (the file is truncated or crafted)"
+            )
+        return torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, *rest)
+
     def persistent_load(self, saved_id):
         kind, storage_type, key, _location, numel = saved_id
         if kind != "storage" or not isinstance(storage_type, _StorageType):
             raise MimaError(f"{self.source}: unexpected storage record {saved_id!r}")
-        raw = self.archive.read(f"{self.prefix}data/{key}")
+        member = f"{self.prefix}data/{key}"
+        try:
+            info = self.archive.getinfo(member)
+        except KeyError:
+            raise MimaError(f"{self.source}: storage {key} is missing from the archive") from None
+        expected = int(numel) * torch.tensor([], dtype=storage_type.dtype).element_size()
+        # torch.save stores storages uncompressed and whole; anything else is not its file (and a
+        # compressed entry could inflate to any size), so the size is checked before reading
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != expected:
+            raise MimaError(
+                f"{self.source}: storage {key} is {info.file_size} bytes{' compressed' if info.compress_type != zipfile.ZIP_STORED else ''}, "
+                f"its record says {expected} (not a file torch.save wrote, or damaged)"
+            )
+        raw = self.archive.read(member)
         untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8) if raw else torch.UntypedStorage(0)
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=storage_type.dtype, _internal=True)
 

@@ -194,3 +194,53 @@ def test_convert_refuses_other_callables_without_running_them(tmp_path, capsys):
     with pytest.raises(MimaError, match="not a torch zip checkpoint"):
         (tmp_path / "plain.pt").write_bytes(b"not a zip")
         convert_checkpoint(tmp_path / "plain.pt")
+
+
+def _rewrite_archive(source, target, change) -> None:
+    """Copy a torch zip checkpoint member by member, letting `change(name, data)` return
+    (new data, compression) for each member."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            data, compression = change(info.filename, old.read(info.filename))
+            new.writestr(info.filename, data, compress_type=compression)
+
+
+@pytest.mark.parametrize("damage, fragment", [("truncated-storage", "its record says 256"),
+                                              ("compressed-storage", "compressed"),
+                                              ("shrunk-record", "needs 64 elements of its storage, which holds 8")])
+def test_convert_refuses_storages_that_do_not_hold_their_tensors(tmp_path, capsys, damage, fragment):
+    import pickletools
+    import zipfile
+
+    weights = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
+    torch.save({"state_dict": weights}, tmp_path / "good.pt")
+
+    def change(name, data):
+        if damage == "truncated-storage" and "/data/" in name and len(data) == 256:
+            return data[:100], zipfile.ZIP_STORED  # the 8x8 tensor's storage, cut short
+        if damage == "compressed-storage" and "/data/" in name:
+            return data, zipfile.ZIP_DEFLATED
+        return data, zipfile.ZIP_STORED
+
+    _rewrite_archive(tmp_path / "good.pt", tmp_path / "bad.pt", change)
+    if damage == "shrunk-record":
+        # a consistent archive whose storage is too small for the view that the pickle asks for:
+        # the storage of 8 elements is read as an 8x8 tensor (more elements than it holds)
+        torch.save({"state_dict": {"w": torch.ones(8)}}, tmp_path / "small.pt")
+        with zipfile.ZipFile(tmp_path / "small.pt") as archive:
+            pickle_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            program = archive.read(pickle_name)
+        # torch.Size([8]) and stride (1,) in the pickle become (8, 8) and (8, 1)
+        ops = [op for op in pickletools.genops(program)]
+        assert any(arg == 8 for _, arg, _ in ops)
+        patched = program.replace(b"K\x08\x85q", b"K\x08K\x08\x86q", 1).replace(b"K\x01\x85q", b"K\x08K\x01\x86q", 1)
+        assert patched != program
+        _rewrite_archive(tmp_path / "small.pt", tmp_path / "bad.pt",
+                         lambda name, data: (patched if name == pickle_name else data, zipfile.ZIP_STORED))
+    out = tmp_path / "out.safetensors"
+    code = main(["convert", str(tmp_path / "bad.pt"), str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and str(tmp_path / "bad.pt") in err[0] and fragment in err[0], err
+    assert not out.exists()
