@@ -13,6 +13,7 @@ dtype, shape and data offsets per tensor, then the raw little-endian data.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -67,26 +68,46 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
             raise MimaError(f"{self.path}: not a safetensors file, or truncated (header of {header_length} bytes)")
         try:
             header = json.loads(self._file.read(header_length))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise MimaError(f"{self.path}: not a safetensors file (its header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise MimaError(f"{self.path}: not a safetensors file (its header is a JSON {type(header).__name__}, not an object)")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise MimaError(f"{self.path}: damaged header: __metadata__ must map names to strings")
         data_start, data_size = 8 + header_length, size - 8 - header_length
-        infos = {}
-        for key, entry in header.items():
-            try:
-                dtype = DTYPES[entry["dtype"]]
-                start, end = entry["data_offsets"]
-                shape = torch.Size(entry["shape"])
-            except (KeyError, TypeError, ValueError):
-                raise MimaError(f"{self.path}: damaged header entry for tensor '{key}'") from None
-            if end > data_size:
-                raise MimaError(f"{self.path}: truncated: tensor '{key}' ends at byte {end} of data, the file has {data_size}")
-            expected = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            if end - start != expected:
-                raise MimaError(f"{self.path}: damaged: tensor '{key}' holds {end - start} bytes, its shape needs {expected}")
-            infos[key] = TensorInfo(shape, dtype, start, end)
-        ordered = dict(sorted(infos.items(), key=lambda item: item[1].start))
+        infos = {key: self._entry(key, entry) for key, entry in header.items()}
+        ordered = dict(sorted(infos.items(), key=lambda item: (item[1].start, item[1].end)))
+        # The safetensors library's rule: the tensors tile the data exactly, in offset order, with
+        # no gap, no overlap (two names for one range, or ranges that share bytes) and nothing after.
+        position = 0
+        for key, info in ordered.items():
+            if info.start != position:
+                problem = "overlaps the tensor before it" if info.start < position else f"leaves a gap at byte {position}"
+                raise MimaError(f"{self.path}: damaged header: tensor '{key}' (bytes {info.start}-{info.end}) {problem}")
+            position = info.end
+        if position != data_size:
+            what = f"truncated: the tensors need {position} bytes of data, the file has {data_size}" if position > data_size \
+                else f"damaged: {data_size - position} bytes after the last tensor"
+            raise MimaError(f"{self.path}: {what}")
         return ordered, metadata, data_start
+
+    def _entry(self, key: str, entry: object) -> TensorInfo:
+        """One header entry, checked: a known dtype, a shape of whole numbers >= 0, two whole offsets
+        that hold exactly the shape's bytes (sizes in Python integers, which cannot overflow)."""
+        def whole(values: object, count: int | None = None) -> bool:
+            return (isinstance(values, list) and (count is None or len(values) == count)
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values))
+
+        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES or not whole(entry.get("shape")) \
+                or not whole(entry.get("data_offsets"), 2):
+            raise MimaError(f"{self.path}: damaged header entry for tensor '{key}' (expected a known dtype, a shape "
+                            "and two data offsets of whole numbers >= 0)")
+        dtype, shape, (start, end) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        needed = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - start != needed:
+            raise MimaError(f"{self.path}: damaged: tensor '{key}' holds {end - start} bytes, its shape {shape} needs {needed}")
+        return TensorInfo(torch.Size(shape), dtype, start, end)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         info = self.infos[key]
