@@ -17,6 +17,7 @@ as one line on stderr with exit status 2, and leaves no partial output behind.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     command, rest = args[0], args[1:]
+    if command != "fit":  # fit saves and stops at a step boundary on SIGTERM (preemption) instead
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if command == "demo":
             demo_command(rest)
@@ -73,16 +76,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_command(rest)
         else:
             raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
-    except KeyboardInterrupt:
-        # Ctrl-C: files being written are temporary until renamed (mima.core.files), so nothing is half written
-        print(f"mima {command}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Terminated) as stop:
+        # Ctrl-C or SIGTERM: unwinding runs the clean-up of mima.core.files.atomic_path, so the
+        # temporary file of an output being written is removed and nothing is half written
+        terminated = isinstance(stop, _Terminated)
+        print(f"mima {command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except MimaError as exc:
         # name the subcommand too (`mima analyze landscape: error: ...`), unless it is the mistake itself
         label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command
         print(f"mima {label}: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that `finally` blocks run (Python's default just exits)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 def _usage() -> str:

@@ -259,3 +259,26 @@ def test_merge_rejects_a_truncated_safetensors_file(checkpoints, tmp_path, capsy
     code, err = _run(["merge", "--method", "uniform", "--models", checkpoints["m1"], truncated, "--output", out], capsys)
     _assert_one_line_error(code, err, "truncated.safetensors: truncated")
     assert not out.exists() and not list(tmp_path.glob(".out.safetensors*"))
+
+
+def test_sigterm_during_a_merge_leaves_no_temporary_file(tmp_path):
+    import signal
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    base = {f"layer{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(12)}  # 48 MB
+    save_state_dict(tmp_path / "base.safetensors", base)
+    for index in (1, 2):
+        save_state_dict(tmp_path / f"m{index}.safetensors", {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in base.items()})
+    out = tmp_path / "merged.safetensors"
+    command = [sys.executable, "-m", "mima", "merge", "--method", "ties", "--base", str(tmp_path / "base.safetensors"),
+               "--models", str(tmp_path / "m1.safetensors"), str(tmp_path / "m2.safetensors"), "--output", str(out)]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".merged.safetensors.*.tmp")) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert job.poll() is None, "the merge ended before its output was being written"
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM and err.strip().splitlines() == ["mima merge: terminated"], err
+    assert not out.exists() and not list(tmp_path.glob(".merged*"))
