@@ -201,3 +201,19 @@ def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     assert report["stripes"] == pytest.approx(_hand_accuracy(state, stripes / "test", STRIPES, DEFAULT_TEMPLATES), abs=1e-6)
     assert report["shades"] == pytest.approx(_hand_accuracy(state, shades / "test", SHADES, shade_templates), abs=1e-6)
     assert 0.0 <= report["mean"] <= 1.0
+
+
+def test_a_custom_task_without_images_stops_fit_before_anything_is_written(tmp_path, small_clip, capsys):
+    from mima.cli import main
+    from tests.conftest import fit_config
+    import yaml
+
+    for name in ("circle", "square"):
+        (tmp_path / "empty" / name).mkdir(parents=True)
+    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
+    config["data"] = {"suite": None, "custom_tasks": [{"name": "empty", "path": str(tmp_path / "empty")}], "batch_size": 4}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task 'empty' (train): no image files" in err[0], err
+    assert not (tmp_path / "run").exists()  # so a corrected retry is not told the folder holds a run

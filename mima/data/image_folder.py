@@ -268,26 +268,38 @@ def folder_task_spec(task: FolderTask) -> TaskSpec:
     layout = read_layout(task)
     classnames = read_classnames(task, layout.classes)
     templates = check_templates(task)
+    # Listed now, with the config, so that a folder without images stops `mima fit` before it has
+    # built a model or written a run folder (not at the first batch); the listing is then reused.
+    samples = scan_splits(task, layout)
 
     def load(options: LoadOptions) -> TaskData:
-        return load_folder_task(task, layout, options)
+        return load_folder_task(task, layout, options, samples)
 
     return TaskSpec(name=task.name, classnames=classnames, templates=templates, load=load)
 
 
-def load_folder_task(task: FolderTask, layout: FolderLayout, options: LoadOptions) -> TaskData:
-    transform = rgb_transform(options)
+def scan_splits(task: FolderTask, layout: FolderLayout) -> dict[str, list[tuple[str, int]]]:
+    """(file, label) pairs of each split folder the task has (train, and test and val if present)."""
     index = {name: i for i, name in enumerate(layout.classes)}
+    folders = {"train": layout.train, "test": layout.test, "val": layout.val}
+    return {split: scan_split(folder, index, f"task '{task.name}' ({split})") for split, folder in folders.items()
+            if folder is not None}
+
+
+def load_folder_task(task: FolderTask, layout: FolderLayout, options: LoadOptions,
+                     samples_by_split: dict[str, list[tuple[str, int]]] | None = None) -> TaskData:
+    transform = rgb_transform(options)
     what = f"task '{task.name}'"
-    samples = scan_split(layout.train, index, f"{what} (train)")
-    if layout.test is not None:
+    samples_by_split = samples_by_split or scan_splits(task, layout)
+    samples = samples_by_split["train"]
+    if "test" in samples_by_split:
         train_all = ImageFiles(samples, transform)
-        test: Dataset = ImageFiles(scan_split(layout.test, index, f"{what} (test)"), transform)
+        test: Dataset = ImageFiles(samples_by_split["test"], transform)
     else:
         everything = ImageFiles(samples, transform)
         rest, held = holdout_split(len(everything), TEST_FRACTION, TEST_SPLIT_SEED + options.split_seed)
         train_all, test = Subset(everything, rest.tolist()), Subset(everything, held.tolist())
-    val = ImageFiles(scan_split(layout.val, index, f"{what} (val)"), transform) if layout.val is not None else None
+    val = ImageFiles(samples_by_split["val"], transform) if "val" in samples_by_split else None
     train, val = with_validation(train_all, val, options.split_seed)
     train = with_training_transform(train, options)  # val and test keep the evaluation transform
     for split, dataset in (("train", train), ("val", val), ("test", test)):
