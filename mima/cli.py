@@ -85,9 +85,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MimaError as exc:
         # name the subcommand too (`mima analyze landscape: error: ...`), unless it is the mistake itself
         label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command
-        print(f"mima {label}: error: {exc}", file=sys.stderr)
+        print(f"mima {label}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def one_line(error: MimaError) -> str:
+    """The error's message. Raised in a DataLoader worker, it comes back wrapped in the worker's
+    traceback ("Caught MimaError in DataLoader worker process 0. Original Traceback ..."); its
+    last line holds the message."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(f"{MimaError.__name__}: ", 1)[-1]
 
 
 class _Terminated(BaseException):

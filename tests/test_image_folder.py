@@ -217,3 +217,25 @@ def test_a_custom_task_without_images_stops_fit_before_anything_is_written(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "task 'empty' (train): no image files" in err[0], err
     assert not (tmp_path / "run").exists()  # so a corrected retry is not told the folder holds a run
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_damaged_image_mid_training_is_one_line_naming_it(tmp_path, small_clip, capsys, workers):
+    from mima.cli import main
+    from tests.conftest import fit_config
+    import yaml
+
+    task = tmp_path / "stripes"
+    _write(task / "train", STRIPES, 4, _pattern, seed=0)
+    _write(task / "test", STRIPES, 2, _pattern, seed=1)
+    for bad in (task / "train" / STRIPES[0]).glob("*.png"):  # every image of one class: a batch meets one
+        bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(200)))
+    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
+    config["data"] = {"suite": None, "custom_tasks": [{"name": "stripes", "path": str(task)}], "batch_size": 8,
+                      "num_workers": workers}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(tmp_path / "c.yaml")]) == 2
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.strip().splitlines() if line.startswith("mima")]  # Lightning's banner aside
+    assert "Traceback" not in stderr and len(err) == 1, stderr
+    assert f"{task / 'train' / STRIPES[0]}" in err[0] and "not a readable image" in err[0], err

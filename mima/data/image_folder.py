@@ -86,8 +86,12 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int):
         path, label = self.samples[index]
-        with Image.open(path) as image:
-            return self.transform(image.convert("RGB")), label
+        try:
+            with Image.open(path) as image:
+                rgb = image.convert("RGB")  # decodes the whole file: a damaged one fails here
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+            raise MimaError(f"{path}: not a readable image ({type(exc).__name__}: {exc}); remove or replace it") from None
+        return self.transform(rgb), label
 
 
 def rgb_transform(options: LoadOptions, train: bool = False) -> Callable:
