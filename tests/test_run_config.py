@@ -39,7 +39,8 @@ def test_a_run_folder_written_before_this_change_still_loads():
     """tests/fixtures/run_config_v0.1.yaml is the config.yaml of a demo run written by mima 0.1.0."""
     raw = yaml.safe_load((FIXTURES / "run_config_v0.1.yaml").read_text())
     config = load_run_config(FIXTURES / "run_config_v0.1.yaml")
-    assert config.model_args() == {**raw["model"], "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None}  # options added since: defaults
+    assert config.model_args() == {**raw["model"], "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None,
+                                    "grad_checkpointing": False}  # options added since: defaults
     assert config.data_args() == raw["data"]
     assert config.seed == raw["seed_everything"] and config.other["trainer"] == raw["trainer"]
 
