@@ -3,8 +3,8 @@ phase start, the learning rate and N (issue 12, item 4), on any `mima fit` confi
 offline suite, real ImageNet MobileNetV2 weights on real digit and fashion images).
 
 Variants (each selectable in a config as written here):
-  reset    model.optimizer_state: reset    fresh AdamW moments at every task segment (the default)
-  keep     model.optimizer_state: keep     each task keeps its own moments across phases
+  reset    model.optimizer_state: reset    fresh AdamW moments at every task segment
+  keep     model.optimizer_state: keep     each task keeps its own moments across phases (the default)
   warmup   reset + model.segment_warmup_steps: W   fresh moments, the rate ramped up over the first
                                                    W steps of every segment
 
@@ -14,6 +14,8 @@ ablation.json go to --out.
 
     python benchmarks/ablation.py                                   # configs/offline.yaml
     python benchmarks/ablation.py --iterations 1 4 8 --lr 3e-4 1e-4 --variants reset keep warmup
+    python benchmarks/marks_family.py --out /tmp/marks                # a second task family of our own
+    python benchmarks/ablation.py --config /tmp/marks/marks.yaml --iterations 1 4 8
 """
 
 from __future__ import annotations

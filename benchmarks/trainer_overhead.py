@@ -15,8 +15,8 @@ phases), on the CPU with the same thread count:
     callback with its cosine diagnostics, metrics, progress bar, and a checkpoint at the end of every
     task segment (mima's defaults);
   * bare: a `for` loop over the same DataLoader (mima's PhaseBatchSampler: identical batches), the
-    same AdamW and learning-rate factor, a fresh optimiser per segment, the phase average at each
-    phase end; no checkpoints, no diagnostics.
+    same AdamW and learning-rate factor, each task's own optimiser (fresh per segment under
+    `optimizer_state: reset`), the phase average at each phase end; no checkpoints, no diagnostics.
 Time is counted from the start of the second step to the end of training (setup, the probes and
 the first step's allocations are excluded from both); the runs alternate and the median of the
 repeats is reported. Both end with the same final weights (printed: max |difference|), which
@@ -148,6 +148,7 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
     train_with_frozen_batchnorm(encoder)
     phase_start = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     segment_ends: list[dict] = []
+    optimizers: dict[int, torch.optim.Optimizer] = {}  # per task slot: its moments survive phases under "keep"
     start = None
     for step, (images, labels, _) in enumerate(loader):
         if step == 1:
@@ -157,7 +158,10 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
         position = plan.position(step)
         if position.starts_segment:
             encoder.load_state_dict(phase_start)
-            optimizer = torch.optim.AdamW(encoder.parameters(), lr=model_cfg["lr"], weight_decay=model_cfg["weight_decay"])
+            if model_cfg["optimizer_state"] == "reset" or position.slot not in optimizers:
+                optimizers[position.slot] = torch.optim.AdamW(encoder.parameters(), lr=model_cfg["lr"],
+                                                              weight_decay=model_cfg["weight_decay"])
+            optimizer = optimizers[position.slot]
         factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"],
                            model_cfg["segment_warmup_steps"])
         for group in optimizer.param_groups:
