@@ -50,7 +50,8 @@ def test_evaluate_two_runs_matches_a_hand_computed_uniform_merge(tmp_path, small
     for task in TASKS:
         expected = _hand_accuracy(context.encoder, context.heads[task], context.splits[task].test)
         reported = next(r["accuracy"] for r in rows if (r["N"], r["model"], r["task"]) == (2, "uniform", task))
-        assert abs(reported - expected) < 1e-9
+        # torchmetrics reports float32: equal counts agree to ~1e-8, one example apart is 1/len(test)
+        assert abs(reported - expected) < 1e-6 < 1 / len(context.splits[task].test)
     selection = json.loads((out / "selection.json").read_text())
     assert selection["runs"] == [str(r) for r in runs]
     assert "N=2: cos(tau)" in capsys.readouterr().out
