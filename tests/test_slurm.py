@@ -90,6 +90,9 @@ def _drive_to_completion(cluster, job_id: str, timeout: float) -> list[str]:
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
         if state == "PENDING" and reason == "BeginTime":
+            # SLURM's delay lets slurmd's revocation of the old job credential (kept per second) pass;
+            # started within that second the job dies with "Job credential revoked" (seen in CI)
+            time.sleep(2)
             cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
         time.sleep(0.5)
     log = (cluster.folder / "slurmctld.log").read_text()[-3000:]
