@@ -6,6 +6,7 @@
     mima merge --method NAME [--base BASE] --models A B ... | RUN_DIR --output OUT [--select-on val] [--lam X] ...
     mima evaluate RUN_DIR [RUN_DIR ...] --out DIR [--merges uniform ties ...]   the Table-1 results of finished runs
     mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
+    mima convert --from hf-clip HF_DIR_OR_FILE --output OUT.safetensors | --to hf-clip ENC.safetensors --output DIR
     mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
     mima analyze cosine|landscape|rank-sweep|ctl|gradients ...   why a merge works (plots + numbers)
     mima report DIR [--out DIR]                     one Markdown + HTML page for a run or a sweep
@@ -30,7 +31,7 @@ COMMANDS = {
     "prefetch": "download what a config needs (open_clip weights, torchvision datasets) before running it offline",
     "merge": "merge fine-tuned state dicts (or a run folder) with a registered strategy",
     "evaluate": "merge and evaluate finished runs (one per N): the Table-1 results table and plots",
-    "convert": "turn a pickled module checkpoint into a safetensors state dict, without running its code",
+    "convert": "pickled checkpoint -> safetensors without running its code; transformers CLIP <-> open_clip (hf-clip)",
     "data": "data tools: `mima data check --root DIR` shows which benchmark tasks are ready and what is missing",
     "analyze": "analyses of a run's models: cosine, landscape, rank-sweep, ctl, gradients (mima analyze --help)",
     "report": "one Markdown and HTML page for a run or a sweep: results table, plots, analyses, checkpoints",
@@ -203,44 +204,44 @@ def evaluate_command(argv: Sequence[str]) -> None:
 
     parser = _OneLineParser(
         prog="mima evaluate",
-        description="Evaluate finished `mima fit` runs of the same tasks (typically one per N): theta_0, each task "
-        "model, and each merge with hyperparameters chosen on the validation splits; writes results.json/.csv/.md, "
-        "selection.json and plots.",
+        description="Evaluate finished `mima fit` runs of the same tasks (typically one per N, or one per N and seed): "
+        "theta_0, each task model, and each merge with hyperparameters chosen on the validation splits; writes "
+        "results.json/.csv/.md, selection.json and plots. Runs at one N that differ only in the seed also get rows "
+        "with the mean and standard deviation over the seeds.",
     )
     parser.add_argument("runs", type=Path, nargs="+",
-                        help="`mima fit` run folders (one per N; at most one joint run, model.mode: joint, adds a `joint` row)")
+                        help="`mima fit` run folders (one per N and seed; at most one joint run, model.mode: joint, adds a "
+                        "`joint` row)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results table and plots")
     parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="data-free merge strategies to compare")
     parser.add_argument("--no-select", action="store_true", help="the papers' fixed hyperparameters, no validation search")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="write each run's results to RUN/evaluation/ and skip a run whose results there match "
+                        "(same merges, selection and models), then rebuild --out from them, replacing it; a stopped "
+                        "or requeued evaluation redoes only what is missing")
     options = parser.parse_args(argv)
-    evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite)
+    evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
+                  resume=options.resume)
 
 
 # ---------------------------------------------------------------------------- convert
 def convert_command(argv: Sequence[str]) -> None:
-    from mima.convert import convert_checkpoint
-    from mima.core.files import refuse_overwrite
-    from mima.core.safetensors_io import save_state_dict
+    from mima.convert import add_arguments, main
 
     parser = _OneLineParser(
         prog="mima convert",
-        description="Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, "
-        "without running code from the file.",
+        description="Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, without\n"
+        "running code from the file; or convert between open_clip image encoders and Hugging Face transformers\n"
+        "CLIP vision towers (--from hf-clip, --to hf-clip) by renaming tensors (no transformers needed).",
+        epilog="examples:\n  mima convert finetuned.pt finetuned.safetensors\n"
+        "  mima convert --from hf-clip clip-vit-base-patch32/ --output base.safetensors\n"
+        "  mima convert --from hf-clip clip-vit-base-patch32_svhn/ --projection-from clip-vit-base-patch32/ --output svhn.safetensors\n"
+        "  mima convert --to hf-clip merged.safetensors --activation quick_gelu --output merged-hf/",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("source", type=Path, help="the pickled checkpoint (.pt)")
-    parser.add_argument("output", type=Path, help="the safetensors file to write")
-    parser.add_argument("--prefix", default="model.visual.",
-                        help="keep the keys under this prefix, without it (default: model.visual., an ImageEncoder's "
-                        "image tower); '' keeps every key")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
-    options = parser.parse_args(argv)
-    if not options.overwrite:
-        refuse_overwrite([options.output])
-    state = convert_checkpoint(options.source, options.prefix)
-    save_state_dict(options.output, state, metadata={"converted_from": str(options.source), "prefix": options.prefix},
-                    overwrite=options.overwrite)
-    print(f"mima convert: {len(state)} tensors from {options.source} -> {options.output}")
+    add_arguments(parser)
+    main(parser.parse_args(argv))
 
 
 # ------------------------------------------------------------------------------- data

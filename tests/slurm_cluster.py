@@ -5,6 +5,7 @@ installs the packages)."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,7 +28,7 @@ def missing_requirement() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -44,8 +45,15 @@ class SlurmCluster:
     pid_files: list[Path] = field(default_factory=list)
     started_munged: bool = False
 
-    def run(self, *command: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, check=check, **kwargs)
+    def run(self, *command: str, check: bool = True, extra_env: dict[str, str] | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """A command against this cluster (SLURM_CONF set), with `extra_env` added to its environment."""
+        env = {**self.env, **(extra_env or {})}
+        return subprocess.run(list(command), env=env, capture_output=True, text=True, check=check, **kwargs)
+
+    def job_gone(self, job_id: str) -> bool:
+        """Neither pending, running nor completing (its processes have ended)."""
+        return not self.run("squeue", "-h", "-j", job_id, check=False).stdout.strip()
 
     def job_field(self, job_id: str, name: str) -> str | None:
         result = self.run("scontrol", "show", "job", job_id, check=False)
@@ -55,25 +63,33 @@ class SlurmCluster:
         return None
 
     def stop(self) -> None:
-        for pid_file in self.pid_files:
-            if pid_file.exists():
-                pid = int(pid_file.read_text().strip())
-                _terminate(pid)
+        pids = [int(pid_file.read_text().strip()) for pid_file in self.pid_files if pid_file.exists()]
+        _terminate(pids)
 
 
-def _terminate(pid: int, grace: float = 10.0) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
+def _terminate(pids: list[int], grace: float = 10.0) -> None:
+    """SIGTERM to every daemon at once (each takes seconds to shut down), SIGKILL to any left after `grace`."""
+    running = []
+    for pid in pids:
         try:
-            os.kill(pid, 0)
+            os.kill(pid, signal.SIGTERM)
+            running.append(pid)
         except ProcessLookupError:
-            return
+            pass
+    deadline = time.monotonic() + grace
+    while running and time.monotonic() < deadline:
         time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
+        running = [pid for pid in running if _alive(pid)]
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _munge_works(env) -> bool:
@@ -94,7 +110,7 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
     else:
         node_names = [f"n{i + 1}" for i in range(nodes)]
         node_lines = [
-            f"NodeName={name} NodeHostname={host} Port={_free_port()} CPUs={max(1, cpus // nodes)} State=UNKNOWN"
+            f"NodeName={name} NodeHostname={host} Port={free_port()} CPUs={max(1, cpus // nodes)} State=UNKNOWN"
             for name in node_names
         ]
     conf = folder / "slurm.conf"
@@ -114,8 +130,11 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
                 "AccountingStorageType=accounting_storage/none",
                 "ReturnToService=2",
                 "MinJobAge=600",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
+                # Lightning's default MASTER_PORT is 15000 + the job id's last four digits: a cluster that
+                # numbered from 1 would give its first job port 15001 in every test session on the machine
+                f"FirstJobId={random.randint(10_000, 999_999)}",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
                 f"StateSaveLocation={folder}/state",
                 f"SlurmdSpoolDir={folder}/spool-%n",
                 f"SlurmctldPidFile={folder}/slurmctld.pid",

@@ -230,16 +230,24 @@ def test_fit_refuses_to_overwrite_an_earlier_run(tmp_path, small_clip, capsys):
     code, err = _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01"}), capsys)
     _assert_one_line_error(code, err, "already holds a run", "--overwrite")
     assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() == before
-    # --overwrite with a mistake found late (3 processes for 2 tasks, checked after the Trainer
+    # --overwrite with a mistake found late (5 processes for the 4 default tasks, checked after the Trainer
     # exists; a typo in the config): refused, and the earlier run is still all there
     files_before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
-    for mistake in ({"trainer.devices": "3"}, {"model.iterations": "4"}):
+    for mistake in ({"trainer.devices": "5"}, {"model.iterations": "4"}):
         code, err = _run(_fit_argv(tmp_path, small_clip, **mistake, overwrite="true"), capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == files_before
         assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() == before
+    # --overwrite with a run that fails before its first checkpoint (K = 3): the earlier run waits aside
+    crash = {"model.lr": "0.01", "overwrite": "true", "trainer.callbacks+": "tests.helpers.RaiseAtStep",
+             "trainer.callbacks.step": "1"}
+    with pytest.raises(RuntimeError, match="RaiseAtStep"):
+        _run(_fit_argv(tmp_path, small_clip, **crash), capsys)
+    aside = sorted((tmp_path / "run").glob(".replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "final" / "rot90.safetensors").read_bytes() == before
     assert _run(_fit_argv(tmp_path, small_clip, **{"model.lr": "0.01", "overwrite": "true"}), capsys)[0] == 0
     assert (tmp_path / "run" / "final" / "rot90.safetensors").read_bytes() != before
+    assert not list((tmp_path / "run").glob(".replaced-*"))  # removed once the new run had saved
 
 
 def test_console_entry_point_reports_one_line(tmp_path):

@@ -20,7 +20,7 @@ import yaml
 
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
-from mima.training.checkpointing import LAST, META, read_meta
+
 
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
 
@@ -34,7 +34,7 @@ def write_config(path: Path, clip: str, tasks: list[str], devices: int, callback
     config = {
         "seed_everything": 0,
         "threads_per_process": 1,
-        "collective_timeout": 30,
+        "collective_timeout": 60,
         "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2},
         "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
         "trainer": {
@@ -122,31 +122,67 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, small_clip, reference, de
     assert phases == [1, 2, 3]  # no phase logged twice across the crash
 
 
-def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, small_clip, reference):
+def rank_states(out: Path, rank: int) -> list[str]:
+    return sorted(p.name for p in (out / CHECKPOINTS / "ranks" / f"rank-{rank:05d}").glob("*.ckpt"))
+
+
+def test_three_processes_on_four_tasks_write_the_same_task_models(tmp_path, small_clip, reference):
     out = tmp_path / "run"
-    crash = write_config(tmp_path / "crash.yaml", small_clip, TWO, 2, strategy=("CrashingStrategy", {"crash_on_save": 2}))
-    result = run_job(crash, out)
-    assert result.returncode == -signal.SIGKILL
-    checkpoints = out / CHECKPOINTS
-    assert (checkpoints / LAST).resolve().name == "step=000008.ckpt"
-    assert read_meta(checkpoints / LAST)["step"] == 8
-    partial = checkpoints / "step=000016.ckpt.partial"
-    assert partial.is_dir() and not (partial / META).exists()  # the cut-off save is visibly incomplete
+    result = run_job(write_config(tmp_path / "w3.yaml", small_clip, FOUR, 3), out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_identical(finals(out, FOUR), reference(1, FOUR))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # rank 0 owns two tasks (rot90, mirror), ranks 1 and 2 one each: each sync records three waits
+    assert all(len(r["wait_s"]) == 3 and min(r["wait_s"]) >= 0 for r in records)
+    assert not (out / CHECKPOINTS).exists()  # a finished run keeps only the run-folder contract
+
+
+def test_kill_during_a_background_write_leaves_the_previous_state(tmp_path, small_clip, reference):
+    out = tmp_path / "run"
+    crash = write_config(tmp_path / "crash.yaml", small_clip, TWO, 2, [("KillDuringStateWrite", {"save": 2, "rank": 1})])
+    result = run_job(crash, out, "--keep_checkpoints", "true")
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    # rank 1's first state (step 8) is complete; its second exists only as a cut-off temporary file
+    assert rank_states(out, 1) == ["phase-0001-step-00000008.ckpt"]
+    leftovers = list((out / CHECKPOINTS / "ranks" / "rank-00001").glob(".*.tmp"))
+    assert len(leftovers) == 1
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from process steps 8" in resumed.stdout
     assert_identical(finals(out, TWO), reference(2, TWO))
 
 
-def test_preemption_signal_saves_at_the_next_step_and_resumes(tmp_path, small_clip, reference):
+def test_a_damaged_newest_state_falls_back_to_an_older_consistent_cut(tmp_path, small_clip, reference):
     out = tmp_path / "run"
-    signalled = write_config(tmp_path / "usr1.yaml", small_clip, TWO, 2, [("SignalAtStep", {"step": 11, "rank": 1})])
-    result = run_job(signalled, out)
-    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
-    assert "stopped by signal 10 at step 11" in result.stdout
-    assert read_meta(out / CHECKPOINTS / LAST)["step"] == 11
+    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 28})]), out)
+    assert killed.returncode == -signal.SIGKILL
+    # rank 1 is somewhere in phase 1 (no lockstep between syncs); its newest state is cut short
+    newest = sorted((out / CHECKPOINTS / "ranks" / "rank-00001").glob("*.ckpt"))[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])  # a truncated file, as a full disk would leave
+    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, 2), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping {newest} (unreadable" in resumed.stdout + resumed.stderr
+    assert "resuming from process steps" in resumed.stdout
+    assert_identical(finals(out, FOUR), reference(2, FOUR))
+
+
+@pytest.mark.parametrize("request_kind", ["signal", "stop file"])
+def test_a_stop_request_saves_at_the_next_step_and_resumes(tmp_path, small_clip, reference, request_kind):
+    out = tmp_path / "run"
+    if request_kind == "signal":
+        helper, expected_code, cause = ("SignalAtStep", {"step": 11, "rank": 1}), 128 + signal.SIGUSR1, "signal 10"
+    else:
+        helper, expected_code, cause = ("TouchStopAtStep", {"step": 11, "rank": 1}), 0, "STOP"
+    result = run_job(write_config(tmp_path / "stop.yaml", small_clip, TWO, 2, [helper]), out)
+    assert result.returncode == expected_code, result.stderr[-3000:]
+    assert f"stopped by {'' if request_kind == 'signal' else str(out) + '/'}{cause}" in result.stdout
+    assert "phase-0001-step-00000011.ckpt" in rank_states(out, 1)  # rank 1 saved at the step it was asked
+    assert not (out / "final").exists()
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_identical(finals(out, TWO), reference(2, TWO))
+    again = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
+    assert again.returncode == 0 and "has finished" in again.stdout  # a resubmitted finished job
 
 
 def test_every_process_logs_the_losses_of_its_own_tasks(tmp_path, small_clip):
@@ -189,7 +225,7 @@ def test_a_dead_process_fails_the_job_without_hanging(tmp_path, small_clip, dead
     while _group_alive(job.pid) and time.monotonic() < deadline:  # the other rank must go too
         time.sleep(0.5)
     assert not _group_alive(job.pid), "a process of the job is still running"
-    assert time.monotonic() - started < 90  # well inside collective_timeout (30 s) plus start-up
+    assert time.monotonic() - started < 150  # well inside collective_timeout (60 s) plus start-up
 
 
 def _group_alive(pgid: int) -> bool:
@@ -208,13 +244,13 @@ def _one_line_error(capsys, argv) -> str:
 
 
 def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, reference):
-    three = write_config(tmp_path / "three.yaml", small_clip, ["rot90", "rot180", "mirror"], 2)
+    three = write_config(tmp_path / "three.yaml", small_clip, TWO, 3)
     line = _one_line_error(capsys, ["fit", "--config", str(three), "--out", str(tmp_path / "a")])
-    assert "2 processes" in line and "do not fit 3 tasks" in line and "1, 3, 6" in line
+    assert "3 processes" in line and "do not fit 2 tasks" in line and "1 .. 2, 4, 6" in line
 
     out = tmp_path / "run"
     two = write_config(tmp_path / "two.yaml", small_clip, TWO, 2)
-    assert run_job(two, out).returncode == 0
+    assert run_job(two, out, "--keep_checkpoints", "true").returncode == 0
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
                                     "--model.iterations", "4"])
     assert "written by a run with iterations=3" in line and "this run has iterations=4" in line
@@ -227,3 +263,6 @@ def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, referen
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path",
                                     str(tmp_path / "nope.ckpt")])
     assert "nope.ckpt: no such checkpoint" in line
+    line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(tmp_path / "new"), "--ckpt_path",
+                                    str(out / CHECKPOINTS)])
+    assert "resumes in its own folder" in line

@@ -1,18 +1,24 @@
-"""`mima evaluate`: the results table of finished runs, checked against a hand-made evaluation."""
+"""`mima evaluate`: the results table of finished runs, checked against a hand-made evaluation; the
+mean and standard deviation over seeds against hand numbers; `--resume` redoing only what is missing."""
 
 from __future__ import annotations
 
+import csv
 import json
+import math
+import shutil
 import time
 
 import pytest
 import torch
+import yaml
 from torch.utils.data import DataLoader
 
 from mima.cli import main
 from mima.pools import task_pool
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
+from mima.evaluation.report import ModelResult, read_results, write_results
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -96,4 +102,138 @@ def test_damaged_or_wrong_run_folders_are_one_line_and_leave_no_output(finished_
     code = main([arg.format(run=finished_run, out=out) for arg in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and fragment in err[0], err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ seeds
+def _result(n, model, seed, a, b, cos=None):
+    return ModelResult(n, model, {"a": a, "b": b}, mean_cos_tau=cos, seed=seed)
+
+
+def test_mean_and_std_over_seeds_against_hand_numbers(tmp_path):
+    """Three seeds at N = 2 and one at N = 1: the aggregate rows, the CSV and the Markdown against
+    numbers worked out by hand (sample standard deviation, n - 1 = 2)."""
+    results = [
+        _result(1, "fine_tuned", 0, 0.95, 0.85, cos=0.05), _result(1, "uniform", 0, 0.40, 0.30),
+        _result(2, "fine_tuned", 0, 0.90, 0.80, cos=0.10), _result(2, "uniform", 0, 0.60, 0.50),
+        _result(2, "fine_tuned", 1, 0.94, 0.78, cos=0.20), _result(2, "uniform", 1, 0.66, 0.52),
+        _result(2, "fine_tuned", 2, 0.92, 0.82, cos=0.30), _result(2, "uniform", 2, 0.63, 0.48),
+    ]
+    write_results(tmp_path, results)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len([r for r in rows if r["seed"] != "mean"]) == 8 * 3  # every per-run row kept (a, b, mean)
+    aggregate = {(r["N"], r["model"], r["task"]): r for r in rows if r["seed"] == "mean"}
+    assert set(aggregate) == {(2, model, task) for model in ("fine_tuned", "uniform") for task in ("a", "b", "mean")}
+    # uniform on a: 0.60, 0.66, 0.63 -> mean 0.63, deviations -0.03, 0.03, 0 -> std sqrt(0.0018 / 2) = 0.03
+    # on b: 0.50, 0.52, 0.48 -> 0.50, std sqrt(0.0008 / 2) = 0.02
+    # task averages per seed 0.55, 0.59, 0.555 -> mean 0.565, deviations -0.015, 0.025, -0.01 -> std sqrt(0.00095 / 2)
+    for task, mean, std in (("a", 0.63, 0.03), ("b", 0.50, 0.02), ("mean", 0.565, math.sqrt(0.00095 / 2))):
+        row = aggregate[(2, "uniform", task)]
+        assert row["seeds"] == [0, 1, 2] and row["mean_cos_tau"] is None
+        assert math.isclose(row["accuracy"], mean, abs_tol=1e-12) and math.isclose(row["accuracy_std"], std, abs_tol=1e-12)
+    cos = aggregate[(2, "fine_tuned", "mean")]  # 0.1, 0.2, 0.3: mean 0.2, std 0.1
+    assert math.isclose(cos["mean_cos_tau"], 0.2) and math.isclose(cos["mean_cos_tau_std"], 0.1)
+
+    with open(tmp_path / "results.csv", newline="") as handle:
+        csv_rows = list(csv.DictReader(handle))
+    row = next(r for r in csv_rows if (r["N"], r["model"], r["task"], r["seed"]) == ("2", "uniform", "mean", "mean"))
+    # relative accuracy: each seed's mean over tasks of merged / fine-tuned, averaged over the seeds;
+    # gap: fine-tuned minus merged task average per seed (0.30, 0.27, 0.315), averaged
+    relative = ((0.60 / 0.90 + 0.50 / 0.80) / 2 + (0.66 / 0.94 + 0.52 / 0.78) / 2 + (0.63 / 0.92 + 0.48 / 0.82) / 2) / 3
+    assert (row["accuracy"], row["accuracy_std"], row["relative_accuracy"], row["gap"]) == (
+        "0.5650", f"{math.sqrt(0.00095 / 2):.4f}", f"{relative:.4f}", "0.2950")
+    assert next(r for r in csv_rows if (r["N"], r["model"], r["task"], r["seed"]) == ("2", "uniform", "a", "1"))["accuracy"] == "0.6600"
+
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| uniform | 35.0 | 56.5 ± 2.2 |" in markdown  # N = 1: one seed, a plain cell
+    assert "| fine_tuned | 90.0 | 86.0 ± 1.0 |" in markdown
+    assert "| mean cos(tau) | 0.050 | 0.200 ± 0.100 |" in markdown
+    assert "## N = 2: mean ± std over seeds 0, 1, 2" in markdown and "### N = 2, seed 1" in markdown
+    assert "| uniform | 56.5 ± 2.2 |" in markdown  # the seeds table's first cell after the model
+    # read back: the per-run results only (the aggregates are recomputed from them)
+    assert [(r.N, r.seed, r.model, r.accuracy) for r in read_results(tmp_path)] == [
+        (r.N, r.seed, r.model, r.accuracy) for r in results]
+
+    # One seed per N: the files keep the schema of tables without seeds (mima demo, the offline suite).
+    single = tmp_path / "single"
+    write_results(single, [r for r in results if r.seed == 0])
+    assert all(set(row) == {"N", "model", "task", "accuracy", "mean_cos_tau"} for row in json.loads((single / "results.json").read_text()))
+    assert (single / "results.csv").read_text().splitlines()[0] == "N,model,task,accuracy,relative_accuracy,gap,mean_cos_tau,hparams"
+    assert "±" not in (single / "results.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def seed_runs(tmp_path_factory, small_clip):
+    """Two N = 1 runs that differ only in the seed (seed_everything and data.seed, as sweep_n.sbatch sets them)."""
+    folder = tmp_path_factory.mktemp("seed-runs")
+    runs = []
+    for seed in (0, 1):
+        config = fit_config(folder / f"seed{seed}", small_clip, TASKS, steps=4, iterations=1)
+        config["seed_everything"] = seed
+        config["data"]["seed"] = seed
+        runs.append(run_fit(config).run_dir)
+    return runs
+
+
+def _uniform_hand_accuracies(run_dir) -> dict[str, float]:
+    """Each task's test accuracy of the plain average of the run's two task models, counted by hand."""
+    context = task_pool(run_dir)
+    run = RunFolder(run_dir)
+    models = [run.final(t) for t in TASKS]
+    context.encoder.load_state_dict({k: (models[0][k].double() + models[1][k].double()).div(2).to(models[0][k].dtype)
+                                     for k in models[0]})
+    return {task: _hand_accuracy(context.encoder, context.heads[task], context.splits[task].test) for task in TASKS}
+
+
+def test_evaluate_over_seeds_resumes_and_matches_a_hand_computation(seed_runs, tmp_path, capsys):
+    out = tmp_path / "table"
+    argv = ["evaluate", *map(str, seed_runs), "--out", str(out), "--merges", "uniform", "--resume"]
+    assert main(argv) == 0
+    assert "N=1, seed 1: cos(tau)" in capsys.readouterr().out
+    rows = json.loads((out / "results.json").read_text())
+    hand = [_uniform_hand_accuracies(run) for run in seed_runs]
+    for task in TASKS:
+        a, b = hand[0][task], hand[1][task]
+        per_run = {r["seed"]: r["accuracy"] for r in rows if (r["model"], r["task"]) == ("uniform", task)}
+        assert abs(per_run[0] - a) < 1e-6 and abs(per_run[1] - b) < 1e-6  # float32 from torchmetrics
+        # two seeds: mean (a + b) / 2, sample standard deviation |a - b| / sqrt(2)
+        assert abs(per_run["mean"] - (a + b) / 2) < 1e-6
+        aggregate = next(r for r in rows if (r["model"], r["task"], r["seed"]) == ("uniform", task, "mean"))
+        assert aggregate["seeds"] == [0, 1] and abs(aggregate["accuracy_std"] - abs(a - b) / math.sqrt(2)) < 1e-6
+    assert any(r["accuracy_std"] > 0 for r in rows if r["seed"] == "mean")  # the seeds trained different models
+    own = [run / "evaluation" / "results.json" for run in seed_runs]
+    for seed, path in enumerate(own):  # each run's own table: its rows of the combined one, no seed needed
+        assert json.loads(path.read_text()) == [{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed]
+
+    # Again: nothing is evaluated, the table is rebuilt from the runs' own results.
+    stamps = [path.stat().st_mtime_ns for path in own]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reused") == 2 and ": cos(tau)" not in printed
+    assert [path.stat().st_mtime_ns for path in own] == stamps
+    assert json.loads((out / "results.json").read_text()) == rows
+    # A job stopped while it evaluated seed 1 (its results.json, written last, is missing): only seed 1 again.
+    own[1].unlink()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reused") == 1 and "N=1, seed 1: cos(tau)" in printed and "seed 0: cos" not in printed
+    assert json.loads((out / "results.json").read_text()) == rows
+    # Other merges: the earlier results do not answer them, both runs are evaluated again.
+    assert main([*argv[:-2], "uniform", "task_arithmetic", "--no-select", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("written for other merges") == 2 and "reused" not in printed
+
+
+def test_evaluate_refuses_runs_that_differ_in_more_than_the_seed(seed_runs, tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["evaluate", str(seed_runs[0]), str(seed_runs[0]), "--out", str(out), "--merges", "uniform"]) == 2
+    assert "both N=1 with seed_everything 0" in capsys.readouterr().err
+    other = tmp_path / "lr"
+    shutil.copytree(seed_runs[0], other)
+    config = yaml.safe_load((other / "config.yaml").read_text())
+    config["seed_everything"], config["model"]["lr"] = 7, 0.01
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main(["evaluate", str(seed_runs[1]), str(other), "--out", str(out), "--merges", "uniform"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "differ in model.lr (0.001 vs 0.01), not only in the seed" in err[0], err
     assert not out.exists()

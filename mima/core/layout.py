@@ -1,11 +1,13 @@
 """Which process trains which task: T tasks over W processes.
 
-  W <= T, W divides T:  each process owns T / W tasks, round-robin (rank r owns r, r + W, ...), and
-                        runs them one after another inside every phase from the same start point.
+  W <= T:               tasks are dealt round-robin (rank r owns r, r + W, ...), so a process owns
+                        ceil(T / W) or floor(T / W) of them, and runs them one after another inside
+                        every phase from the same start point; where W does not divide T the
+                        processes with one task less wait at each sync (the time is logged).
   W > T, T divides W:   each task has R = W / T replicas forming its task group (ranks t*R .. t*R+R-1);
                         they split the task's batch and average gradients with DDP inside the group.
-No gradient ever crosses tasks. Other W would give processes unequal work per phase, so they are
-refused with the list of W that fit.
+No gradient ever crosses tasks. W > T that T does not divide would give tasks unequal numbers of
+replicas (and batch shards), so it is refused with the list of W that fit.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from mima.core.errors import MimaError
 
 
 def allowed_world_sizes(num_tasks: int, largest: int = 64) -> list[int]:
-    divisors = [w for w in range(1, num_tasks + 1) if num_tasks % w == 0]
     multiples = [num_tasks * m for m in range(2, largest // num_tasks + 1)]
-    return divisors + multiples
+    return list(range(1, num_tasks + 1)) + multiples
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,12 @@ class TaskLayout:
 
     def __post_init__(self) -> None:
         t, w = self.num_tasks, self.world_size
-        if w < 1 or t < 1 or (w <= t and t % w) or (w > t and w % t):
-            fits = ", ".join(map(str, allowed_world_sizes(t)))
+        if w < 1 or t < 1 or (w > t and w % t):
+            fits = allowed_world_sizes(t)
+            shown = f"1 .. {t}" + (f", {', '.join(map(str, fits[t:t + 4]))}, ..." if len(fits) > t else "")
             raise MimaError(
-                f"{w} processes (trainer.devices x trainer.num_nodes) do not fit {t} tasks: use a W that divides "
-                f"T or a multiple of T, e.g. {fits}"
+                f"{w} processes (trainer.devices x trainer.num_nodes) do not fit {t} tasks: use at most T "
+                f"processes or a multiple of T ({shown})"
             )
 
     @property
@@ -41,8 +43,8 @@ class TaskLayout:
         return max(1, self.world_size // self.num_tasks)
 
     @property
-    def tasks_per_process(self) -> int:
-        return max(1, self.num_tasks // self.world_size)
+    def most_tasks_per_process(self) -> int:
+        return -(-self.num_tasks // self.world_size) if self.world_size <= self.num_tasks else 1
 
     def local_tasks(self, rank: int) -> tuple[int, ...]:
         if self.world_size <= self.num_tasks:

@@ -7,11 +7,13 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
     final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata);
                                 a joint multi-task run (model.mode: joint) has final/joint.safetensors
     metrics.jsonl               one JSON object per phase: phase, step, mean_cos_tau, cos_tau, loss, ...
-    checkpoints/                per-process resumable checkpoints (layout: mima.training.checkpointing)
+    checkpoints/                per-process resumable checkpoints while the run is under way (layout:
+                                mima.training.checkpointing); removed when it finishes (--keep_checkpoints)
+    STOP                        `touch RUN/STOP` asks a running job to save its state and stop
     logs/                       Lightning's CSV logger
     analysis/<name>/            outputs of `mima analyze <name>`
-    evaluation/                 a sweep folder's results files for this run alone (the SLURM array's
-                                `mima evaluate RUN --out RUN/evaluation`)
+    evaluation/                 this run's own results files, written by `mima evaluate --resume`
+                                (slurm/evaluate_sweep.sbatch) and reused while the run is unchanged
     report.md, report.html      `mima report`
 
 A sweep folder, written by `mima demo`, `mima evaluate --out` and benchmarks/offline_suite.py:
@@ -28,7 +30,8 @@ Every other module reads and writes these files through RunFolder and SweepFolde
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ from mima.core.safetensors_io import load_state_dict, save_state_dict
 StateDict = dict[str, torch.Tensor]
 
 REPORT_FILES = ("report.md", "report.html")
+REPLACED_PREFIX = ".replaced-"  # an earlier run moved aside by `mima fit --overwrite`
 JOINT = "joint"  # the joint multi-task baseline's one final model: final/joint.safetensors
 
 
@@ -81,6 +85,10 @@ class RunFolder:
     @property
     def checkpoints_dir(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def stop_file(self) -> Path:
+        return self.path / "STOP"
 
     @property
     def logs_dir(self) -> Path:
@@ -182,12 +190,23 @@ class RunFolder:
             )
         return [] if resuming else earlier
 
-    def prepare(self, resuming: bool, overwrite: bool) -> None:
-        """`check_target`, then remove an overwritten run's outputs and create the folder. Call it
-        only once every other input has been checked: an overwritten run is gone afterwards."""
-        for path in self.check_target(resuming, overwrite):
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    def prepare(self, resuming: bool, overwrite: bool) -> Path | None:
+        """`check_target`, then move an overwritten run's outputs aside (into `.replaced-<time>/`) and
+        create the folder; returns where they went. They are removed (`remove_replaced`) only once the
+        new run has saved its first checkpoint, so a new run that fails early costs nothing."""
+        earlier = self.check_target(resuming, overwrite)
         self.path.mkdir(parents=True, exist_ok=True)
+        if not earlier:
+            return None
+        aside = self.path / f"{REPLACED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        aside.mkdir()
+        for path in earlier:
+            os.rename(path, aside / path.name)
+        return aside
+
+    def replaced_runs(self) -> list[Path]:
+        """Earlier runs moved aside by `--overwrite`, waiting for the new run's first checkpoint."""
+        return sorted(self.path.glob(f"{REPLACED_PREFIX}*"))
 
     def write_config(self, text: str) -> None:
         write_text_atomic(self.config_file, text)
@@ -205,11 +224,11 @@ class RunFolder:
         lines = [json.dumps(r) for r in self.phase_records()] + [json.dumps(record)]
         write_text_atomic(self.metrics_file, "".join(line + "\n" for line in lines))
 
-    def trim_phase_records(self, global_step: int) -> None:
+    def trim_phase_records(self, completed_phases: int) -> None:
         """Keep only the phases that the state being (re)started from has already completed."""
         if not self.metrics_file.exists():
             return
-        kept = [json.dumps(r) for r in self.phase_records() if r["global_step"] <= global_step]
+        kept = [json.dumps(r) for r in self.phase_records() if r["phase"] <= completed_phases]
         write_text_atomic(self.metrics_file, "".join(line + "\n" for line in kept))
 
 

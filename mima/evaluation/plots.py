@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from statistics import fmean, stdev
 
 import matplotlib
 
@@ -21,9 +22,20 @@ def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
     labels = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)",
               "joint": "joint multi-task training (one model, same S)"}
     for model in dict.fromkeys(r.model for r in results):
-        points = sorted((r.N, 100 * r.mean) for r in results if r.model == model)
+        # one point per N: the mean over that N's seeds, with the sample standard deviation as an error bar
+        by_n: dict[int, list[float]] = {}
+        for r in results:
+            if r.model == model:
+                by_n.setdefault(r.N, []).append(100 * r.mean)
+        ns = sorted(by_n)
+        means = [fmean(by_n[n]) for n in ns]
+        errors = [stdev(by_n[n]) if len(by_n[n]) > 1 else 0.0 for n in ns]
         label = labels.get(model, model)
-        axis.plot([p[0] for p in points], [p[1] for p in points], label=label, **{"marker": "o", **styles.get(model, {})})
+        style = {"marker": "o", **styles.get(model, {})}
+        if any(errors):
+            axis.errorbar(ns, means, yerr=errors, capsize=3, label=label, **style)
+        else:
+            axis.plot(ns, means, label=label, **style)
     axis.set_xscale("log", base=2)
     axis.set_xticks(n_values, [str(n) for n in n_values])
     axis.set_xlabel("MIMA iterations N (fixed budget S per task)")
@@ -41,8 +53,9 @@ def plot_cosine_vs_n(
     phase_records: Mapping[int, Sequence[Mapping]],
     path: Path,
 ) -> None:
-    """Left: box plot of the final task vectors' pairwise cosines per N (paper 001 Fig. 5).
-    Right: mean pairwise cosine of tau and delta at the end of each phase (paper 001 Fig. 11)."""
+    """Left: box plot of the final task vectors' pairwise cosines per N (paper 001 Fig. 5; with
+    several seeds at one N, the pairs of every seed). Right: mean pairwise cosine of tau and delta at
+    the end of each phase (paper 001 Fig. 11; the caller passes one run per N)."""
     n_values = sorted(pairwise_cos_tau)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.boxplot([list(pairwise_cos_tau[n]) for n in n_values], tick_labels=[str(n) for n in n_values])

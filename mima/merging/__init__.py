@@ -15,14 +15,23 @@ from mima.merging import (  # noqa: F401  (registration)
     cart_indexing,
     consensus,
     dare,
+    della,
+    emr,
     fisher,
     fw_merging,
+    iso_c,
+    iso_cts,
+    lines,
+    magmax,
+    model_stock,
     regmean,
+    regmean_plus_plus,
     tall,
     task_arithmetic,
     ties,
     tsv,
     uniform,
+    wudi,
 )
 from mima.merging.pool import Pool
 from mima.merging.registry import HYPERPARAMETERS, MERGE_METHODS, Hyperparameter, MergeMethod, MergeOutput, get_method

@@ -121,6 +121,9 @@ HYPERPARAMETERS: dict[str, Hyperparameter] = {
                        lambda v: _finite(v) and 0 < v <= 100, float),
         Hyperparameter("rank_ratio", "a fraction of the rank, in [0, 1]", "CART: share of each matrix's rank kept",
                        lambda v: _finite(v) and 0 <= v <= 1, float),
+        Hyperparameter("common_space_fraction", "a fraction of the rank, in [0, 1]",
+                       "Iso-CTS: share of each matrix's rank given to the common subspace (the rest is split among the tasks)",
+                       lambda v: _finite(v) and 0 <= v <= 1, float),
         Hyperparameter("drop", "a drop probability, in [0, 1)", "DARE: probability p of dropping a task-vector entry",
                        lambda v: _finite(v) and 0 <= v < 1, float),
         Hyperparameter("density", "a fraction of entries kept, in (0, 1]", "Breadcrumbs: share of each row kept below the top gamma",
@@ -153,6 +156,20 @@ HYPERPARAMETERS: dict[str, Hyperparameter] = {
                        lambda v: _finite(v) and v > 0, float),
         Hyperparameter("ada_steps", "a positive whole number of steps", "FW-Merging: Adam steps of each AdaMerging run",
                        lambda v: _whole(v) and v >= 1, int),
+        _choice("base_merge", ("task_arithmetic", "ties", "consensus"),
+                "LiNeS: the merge whose task vector is scaled layer by layer (run at its own defaults)"),
+        Hyperparameter("lines_alpha", "'auto' or a finite number",
+                       "LiNeS: scale of the first block and of every tensor outside the blocks; 'auto' = "
+                       "||sum_t tau_t||_1 / (T ||merged tau||_1), the reference's multi-task rule",
+                       lambda v: v == "auto" or _finite(v), lambda word: word if word == "auto" else float(word)),
+        Hyperparameter("lines_beta", "a finite number", "LiNeS: scale added from the first block to the last",
+                       _finite, float),
+        Hyperparameter("block_keys", "a regular expression with a group that captures the block index",
+                       "LiNeS, RegMean++: the tensors of residual block <index> (blocks in depth order)",
+                       lambda v: _regex(v) and re.compile(v).groups >= 1, str),
+        Hyperparameter("epsilon", "a number in [0, 0.5)",
+                       "DELLA: half-width of the keep probabilities, density - epsilon (smallest magnitude of a row) "
+                       "to density + epsilon (largest)", lambda v: _finite(v) and 0 <= v < 0.5, float),
     )
 }
 

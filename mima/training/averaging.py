@@ -35,13 +35,16 @@ def distributed_world() -> int:
 
 
 def gather_in_task_order(local: torch.Tensor, layout: TaskLayout) -> list[torch.Tensor]:
-    """`local` stacks this process's task copies of one tensor ([tasks per process, ...]); returns the
-    leader copy of every task, in task order."""
+    """`local` stacks this process's task copies of one tensor ([tasks of the process, ...]); returns
+    the leader copy of every task, in task order."""
     world = distributed_world()
     if world == 1:
         return list(local.unbind(0))
     if world != layout.world_size:
         raise RuntimeError(f"layout expects {layout.world_size} processes but {world} are running")
+    most = layout.most_tasks_per_process
+    if local.shape[0] < most:  # all_gather needs equal shapes; the padding is never read
+        local = torch.cat([local, local[:1].expand(most - local.shape[0], *local.shape[1:])])
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local.contiguous())
     ordered = [gathered[rank][slot] for rank, slot in map(layout.owner, range(layout.num_tasks))]

@@ -5,31 +5,31 @@ What plain DDP gets wrong for MIMA, and what this strategy does instead:
     their own process group and only those are wrapped in DistributedDataParallel; a process
     that is alone with its tasks is not wrapped at all (it has no gradient to share).
   * Lightning saves rank 0's state only, but every process holds different task weights. Here
-    every rank writes its own file into a checkpoint directory (see mima.training.checkpointing),
-    and each rank loads its own file back.
+    every process saves its own state, when it chooses, without collectives (MimaCheckpoint), and
+    each loads its own state of the consistent cut chosen at start-up
+    (mima.training.checkpointing.choose_resume).
+  * Lightning broadcasts a "SIGTERM seen" flag from rank 0 before every training step. Processes
+    that own different numbers of tasks take different numbers of steps between syncs, so that
+    broadcast would pair up unrelated steps and deadlock; stop requests go through
+    mima.training.preemption instead, and the broadcast is switched off.
   * A collective that waits for a dead process would hang; the process-group timeout
     (`timeout_s`) bounds it.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from mima.training.checkpointing import (
-    META,
-    PARTIAL,
-    rank_file,
-    write_atomically,
-)
-from mima.core.files import write_json_atomic
+from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
+from mima.training.checkpointing import expand
+from mima.training.preemption import StopAgreement
 
 
 class MimaStrategy(DDPStrategy):
@@ -45,12 +45,29 @@ class MimaStrategy(DDPStrategy):
         self.num_tasks = num_tasks
         self.layout: TaskLayout | None = None
         self.task_group = None
+        self.resume_states: dict[int, Path] | None = None  # rank -> state file, set by `mima fit`
+        self.stop_enabled = True  # False when checkpointing is off (a stop could save nothing)
+        self._stop: StopAgreement | None = None
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self.layout = TaskLayout(self.num_tasks, self.world_size)
         if self.layout.replicas > 1:
             self.task_group, _ = dist.new_subgroups_by_enumeration(self.layout.task_group_ranks())
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # see the class docstring
+
+    @property
+    def stop(self) -> StopAgreement:
+        """This process's side of the stop protocol (mima.training.preemption)."""
+        if self._stop is None:
+            world = self.world_size if dist.is_available() and dist.is_initialized() else 1
+            self._stop = StopAgreement(Path(self.lightning_module.trainer.default_root_dir), world,
+                                       self.task_group, self.root_device, enabled=self.stop_enabled,
+                                       timeout_s=self._timeout.total_seconds())
+        return self._stop
 
     def _setup_model(self, model):
         if self.layout is None or self.layout.replicas == 1:
@@ -74,28 +91,15 @@ class MimaStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        final = Path(self.broadcast(str(filepath)))
-        staging = final.with_name(final.name + PARTIAL)
-        if self.is_global_zero:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        self.barrier("mima: staging folder ready")
-        write_atomically(checkpoint, rank_file(staging, self.global_rank))
-        self.barrier("mima: every rank has written")
-        if self.is_global_zero:
-            meta = {"step": int(checkpoint.get("global_step", 0)), **checkpoint.get("mima", {}).get("run", {})}
-            write_json_atomic(staging / META, meta)
-            if final.exists():  # the same step saved again: keep the new one
-                aside = final.with_name(f"{final.name}.old.{os.getpid()}")
-                os.rename(final, aside)
-                os.rename(staging, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.rename(staging, final)
+        raise MimaError("mima saves checkpoints with MimaCheckpoint (each process its own); trainer.save_checkpoint is not supported")
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        return self.checkpoint_io.load_checkpoint(rank_file(Path(checkpoint_path), self.global_rank), weights_only=weights_only)
+        """This process's state of the cut chosen by `mima fit`, with its file references resolved."""
+        if not self.resume_states or self.global_rank not in self.resume_states:
+            raise MimaError(f"--ckpt_path {checkpoint_path}: no state chosen for process {self.global_rank}")
+        run_dir = Path(checkpoint_path).parent
+        state = torch.load(self.resume_states[self.global_rank], map_location="cpu", weights_only=True)
+        return expand(state, run_dir)
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+        pass  # MimaCheckpoint removes what it no longer needs

@@ -11,7 +11,15 @@ task's end weights are the run's final task checkpoint.
 
 Device memory: the working encoder and `avg`; the end weights of the process's own tasks live on
 the CPU until the phase ends, and so do the kept AdamW moments of its tasks that are not running
-(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). Everything needed to resume mid-phase is in `state_dict()`.
+(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). Everything needed to
+resume mid-phase is in `state_dict()`, each part tagged with the phase it belongs to, so that
+mima.training.checkpointing can store it as immutable per-(task, phase) files and refer to them.
+
+Processes reach a sync after different numbers of steps when they own different numbers of tasks;
+before entering it they agree through the rendezvous store whether to sync or to stop
+(mima.training.preemption). A stop there leaves the sync pending: the state saved then resumes by
+running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
+in its CSV log, `wait_s` per process in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
 from mima.training.averaging import average_phase, gather_task_values
+from mima.training.preemption import stop_agreement
 
 StateDict = dict[str, torch.Tensor]
 
@@ -53,6 +62,10 @@ class MimaSyncCallback(Callback):
         self.loss_sums: dict[int, float] = {}
         self.step_loss = 0.0  # the running step's loss, summed over its micro-batches
         self.task_moments: dict[int, dict] = {}  # slot -> AdamW state (CPU), for optimizer_state="keep"
+        self.avg_phase = -1  # `avg` is the average after the sync ending this phase (-1: theta_0)
+        self.segment_phase = 0  # the phase `segment_ends` belong to
+        self.moments_phase: dict[int, int] = {}  # slot -> the phase whose segment end `task_moments` hold
+        self.pending_sync = False  # stopped at a sync before entering it: run it first on resume
         self._restored = False
 
     # ----------------------------------------------------------------------------- start
@@ -66,10 +79,19 @@ class MimaSyncCallback(Callback):
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        stop_agreement(trainer).report_failure(trainer.global_rank)
+
     def on_train_start(self, trainer, pl_module) -> None:
-        # Here, unlike in on_fit_start, Lightning has already restored the step counter.
+        # Here, unlike in on_fit_start, Lightning has already restored the step counter and optimiser.
         if trainer.is_global_zero:
-            RunFolder(Path(trainer.default_root_dir)).trim_phase_records(trainer.global_step)
+            RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.avg_phase + 1)
+        if self.pending_sync:
+            from mima.core.errors import MimaError
+
+            step = trainer.global_step - 1
+            if not self._sync(trainer, pl_module, pl_module.plan.position(step).phase, step + 1):
+                raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
 
     # ------------------------------------------------------------------------ each step
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -87,9 +109,40 @@ class MimaSyncCallback(Callback):
             return
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
-            self._end_phase(trainer, pl_module, position.phase, step + 1)
+            self._sync(trainer, pl_module, position.phase, step + 1)
+            return
         self._load_into_encoder(pl_module, self.avg)
-        self._prepare_optimizer(trainer, pl_module, next_slot=(position.slot + 1) % len(plan.local_tasks))
+        self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
+
+    def _sync(self, trainer, pl_module, phase: int, global_step: int) -> bool:
+        """Agree with the other processes, then average; False (sync left pending) on a stop."""
+        checkpoint = trainer.checkpoint_callback
+        if hasattr(checkpoint, "before_sync"):
+            checkpoint.before_sync()
+        stop = stop_agreement(trainer)
+        if not stop.at_sync(phase):
+            self.pending_sync = True
+            return False
+        self.pending_sync = False
+        if stop.waits:
+            for logger in trainer.loggers:
+                logger.log_metrics({"sync/wait_s": stop.waits[-1]}, step=global_step - 1)
+        self._end_phase(trainer, pl_module, phase, global_step)
+        self._load_into_encoder(pl_module, self.avg)
+        self._prepare_optimizer(trainer, pl_module, next_slot=0)
+        return True
+
+    def boundary(self, plan, step: int) -> tuple[str | int, int | None] | None:
+        """What the working encoder and optimiser hold before process step `step`, if they equal
+        tensors of `state_dict()`: ("avg", slot whose kept moments the optimiser holds, or None) at
+        the start of a segment; (slot, None) at a pending sync (the last segment's end weights);
+        None inside a segment."""
+        if self.pending_sync:
+            return len(plan.local_tasks) - 1, None
+        if step >= plan.local_steps or not plan.position(step).starts_segment:
+            return None
+        slot = plan.position(step).slot
+        return "avg", slot if slot in self.task_moments else None
 
     def _log_step_loss(self, trainer, task: str, step: int) -> None:
         """The step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
@@ -101,8 +154,13 @@ class MimaSyncCallback(Callback):
     def _end_segment(self, trainer, pl_module, position) -> None:
         plan = pl_module.plan
         self.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
-        if pl_module.hparams.optimizer_state == "keep":
+        self.segment_phase = position.phase
+        if position.phase == plan.iterations - 1:
+            self.task_moments.pop(position.slot, None)  # the task has no later segment to resume
+            self.moments_phase.pop(position.slot, None)
+        elif pl_module.hparams.optimizer_state == "keep":
             self.task_moments[position.slot] = _moments_to_cpu(trainer.optimizers[0].state_dict()["state"])
+            self.moments_phase[position.slot] = position.phase
         is_leader = pl_module.layout.is_leader(trainer.global_rank)
         if position.phase == plan.iterations - 1 and is_leader:
             self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.segment_ends[position.slot])
@@ -115,8 +173,11 @@ class MimaSyncCallback(Callback):
         device = next(pl_module.encoder.parameters()).device
         result = average_phase(local_states, keys, layout, pl_module.theta_0, self.avg, diagnostic_keys, device)
         self.avg = {key: value.to(device) for key, value in result.average.items()}
+        self.avg_phase = phase
         mean_losses = {plan.local_tasks[slot]: total / plan.steps_per_phase for slot, total in self.loss_sums.items()}
         losses = gather_task_values(mean_losses, layout)
+        stop = stop_agreement(trainer)
+        waits = gather_task_values({trainer.global_rank: stop.waits[-1] if stop.waits else 0.0}, layout)
         cos_tau, cos_delta = cosine_from_gram(result.gram_tau), cosine_from_gram(result.gram_delta)
         record = {
             "phase": phase + 1,
@@ -128,6 +189,7 @@ class MimaSyncCallback(Callback):
             "cos_tau": cos_tau.tolist(),
             "cos_delta": cos_delta.tolist(),
             "loss": {plan.tasks[task]: value for task, value in losses.items()},
+            "wait_s": [round(waits[rank], 4) for rank in sorted(waits)],  # per process, before this sync
         }
         pl_module.log("mima/mean_cos_tau", record["mean_cos_tau"], on_step=True, on_epoch=False)
         pl_module.log("mima/mean_cos_delta", record["mean_cos_delta"], on_step=True, on_epoch=False)
@@ -168,16 +230,26 @@ class MimaSyncCallback(Callback):
 
     # --------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
+        # The tensors themselves (no copies): MimaCheckpoint stores each as a file once and keeps a
+        # reference here; the phases say which file.
         return {
-            "avg": _cpu_copy(self.avg),
-            "segment_ends": self.segment_ends,
+            "avg": self.avg,
+            "avg_phase": self.avg_phase,
+            "segment_ends": dict(self.segment_ends),
+            "segment_phase": self.segment_phase,
+            "task_moments": dict(self.task_moments),
+            "moments_phase": dict(self.moments_phase),
             "loss_sums": dict(self.loss_sums),
-            "task_moments": self.task_moments,
+            "pending_sync": self.pending_sync,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.avg = state_dict["avg"]
+        self.avg_phase = int(state_dict["avg_phase"])
         self.segment_ends = {int(slot): state for slot, state in state_dict["segment_ends"].items()}
+        self.segment_phase = int(state_dict["segment_phase"])
         self.loss_sums = {int(slot): value for slot, value in state_dict["loss_sums"].items()}
         self.task_moments = {int(slot): state for slot, state in state_dict["task_moments"].items()}
+        self.moments_phase = {int(slot): int(phase) for slot, phase in state_dict["moments_phase"].items()}
+        self.pending_sync = bool(state_dict["pending_sync"])
         self._restored = True

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import time
 import warnings
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,8 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.core.errors import MimaError
-from mima.core.run_folder import RunFolder
-from mima.training.checkpointing import MimaCheckpoint, resolve_ckpt_path, run_identity
+from mima.core.run_folder import JOINT, RunFolder
+from mima.training.checkpointing import MimaCheckpoint, log_resume, resolve_resume, run_identity
 from mima.core.layout import TaskLayout
 from mima.training.module import MimaModule
 from mima.training.rank_logger import RankCSVLogger
@@ -51,15 +53,26 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 
 class MimaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--out", type=str | None, default=None, help="run folder (default: runs/<time>)")
+        parser.add_argument(
+            "--out", type=str | None, default=None,
+            help="run folder (default: runs/<time>); {config}, {iterations} and {seed} are replaced by the config "
+            "file's name, N and seed_everything, so a resubmitted job finds its run (slurm/launch.sh uses "
+            "$MIMA_RUNS/{config}-N{iterations}-seed{seed})",
+        )
         parser.add_argument(
             "--ckpt_path", type=str | None, default=None,
-            help="resume: 'last' (the run folder's latest checkpoint; a fresh start if there is none) or a checkpoint folder",
+            help="resume: 'last' (the run folder's newest consistent checkpoint; a fresh start if there is none)",
         )
         parser.add_argument("--overwrite", type=bool, default=False, help="replace the outputs of an earlier run")
         parser.add_argument(
-            "--checkpoint_every", type=int | None, default=None,
-            help="save a checkpoint every this many steps of a process (default: K, the end of every task segment; 0: never)",
+            "--checkpoint_every", type=str | int, default="segment",
+            help="when each process saves its state: 'segment' (every task segment end: at most K steps lost), "
+            "'phase' (only at syncs: fewer files, up to a phase lost), a number n of process steps (also at "
+            "syncs; saves inside a segment hold the encoder and its moments), or 0 (never)",
+        )
+        parser.add_argument(
+            "--keep_checkpoints", type=bool, default=False,
+            help="keep RUN/checkpoints after the run has finished (default: removed; final/ holds the result)",
         )
         parser.add_argument(
             "--threads_per_process", type=int | None, default=None,
@@ -84,26 +97,46 @@ class MimaCLI(LightningCLI):
         if trainer_config.get("sync_batchnorm"):
             raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
         _set_threads(config.get("threads_per_process"))
-        self.run_dir = resolve_run_dir(config.get("out"))
+        self.run_dir = resolve_run_dir(config.get("out"), config)
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         # the joint baseline trains one model on all tasks: one "task" for the process layout (plain DDP)
         num_tasks = 1 if self.model.hparams.mode == "joint" else len(self.datamodule.task_names)
         devices, nodes = str(trainer_config.get("devices", 1)), str(trainer_config.get("num_nodes", 1))
+        self.resume: tuple | None = None
         if devices.isdigit() and int(devices) > 0 and nodes.isdigit():  # "auto", lists: known once the Trainer exists
-            check_layout(num_tasks, int(devices) * int(nodes), self.datamodule.hparams.batch_size)
+            world_size = int(devices) * int(nodes)
+            layout = check_layout(num_tasks, world_size, self.datamodule.hparams.batch_size)
+            # the checkpoint to resume, checked before the Trainer prints anything
+            self.resume = resolve_resume(config.get("ckpt_path"), self.run_dir, layout, self._identity(world_size))
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = RankCSVLogger(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
-        every = config.get("checkpoint_every")
-        every = self.model.hparams.steps // self.model.hparams.iterations if every is None else every
-        if every > 0 and trainer_config.get("enable_checkpointing") is not False:
+        every = checkpoint_schedule(config.get("checkpoint_every"))
+        if every and trainer_config.get("enable_checkpointing") is not False:
             callbacks = list(self.config_init["trainer"].get("callbacks") or [])
-            kwargs["callbacks"] = callbacks + [MimaCheckpoint(RunFolder(self.run_dir).checkpoints_dir, every_n_train_steps=every)]
+            kwargs["callbacks"] = callbacks + [MimaCheckpoint(every, keep=bool(config.get("keep_checkpoints")))]
         else:
             kwargs["enable_checkpointing"] = False
+            kwargs["strategy"].stop_enabled = False
         return super().instantiate_trainer(**kwargs)
+
+    def _identity(self, world_size: int) -> dict:
+        hparams, mode = self.model.hparams, self.model.hparams.mode
+        return run_identity(self.datamodule.task_names, hparams.steps, 1 if mode == JOINT else hparams.iterations,
+                            world_size, mode)
+
+
+def checkpoint_schedule(every: str | int | None) -> str | int:
+    """--checkpoint_every as MimaCheckpoint takes it ("segment", "phase", n > 0), or 0 for never."""
+    if every in (None, "segment", "phase"):
+        return every or "segment"
+    if isinstance(every, str) and every.isdigit():
+        every = int(every)
+    if not isinstance(every, int) or every < 0:
+        raise MimaError(f"--checkpoint_every must be 'segment', 'phase', a number of steps or 0 (never), got {every!r}")
+    return every
 
 
 def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout:
@@ -149,8 +182,20 @@ def launch_rank() -> int:
     return int(os.environ.get("NODE_RANK", 0)) + int(os.environ.get("LOCAL_RANK", 0))
 
 
-def resolve_run_dir(out: str | None) -> Path:
-    return Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+def resolve_run_dir(out: str | None, config: Mapping[str, Any]) -> Path:
+    """--out with its {config}, {iterations} and {seed} fields filled in (default: runs/<time>)."""
+    if not out:
+        return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    files = config.get("config") or []
+    fields = {
+        "config": Path(str(files[-1])).stem if files else "cli",
+        "iterations": config["model"]["iterations"],
+        "seed": config.get("seed_everything"),
+    }
+    try:
+        return Path(out.format(**fields))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise MimaError(f"--out {out}: only {{config}}, {{iterations}} and {{seed}} can be filled in ({exc})") from None
 
 
 def build_cli(args: list[str] | dict | None) -> MimaCLI:
@@ -208,7 +253,7 @@ class _DropExpectedNotes(logging.Filter):
 @dataclass
 class FitResult:
     run_dir: Path
-    preempted_by: int | None = None  # the signal that stopped the run early (state saved), if any
+    preempted_by: int | None = None  # what stopped the run early (state saved): a signal, 0 for RUN/STOP
 
 
 def run_fit(args: list[str] | dict | None = None) -> FitResult:
@@ -217,23 +262,43 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
     world_size = trainer.num_nodes * trainer.num_devices
-    check_layout(1 if module.hparams.mode == "joint" else len(data.task_names), world_size, data.hparams.batch_size)
-    iterations = 1 if module.hparams.mode == "joint" else module.hparams.iterations
-    expected = run_identity(data.task_names, module.hparams.steps, iterations, world_size, module.hparams.mode)
-    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), RunFolder(run_dir).checkpoints_dir, expected)
+    layout = check_layout(1 if module.hparams.mode == JOINT else len(data.task_names), world_size, data.hparams.batch_size)
+    run = RunFolder(run_dir)
+    resuming = cli.config.get("ckpt_path") is not None
+    # Every process computes the same cut from the same files: nothing writes before training starts.
+    resume_states, notes = cli.resume or resolve_resume(cli.config.get("ckpt_path"), run_dir, layout, cli._identity(world_size))
+    if resuming and resume_states is None and _finished(run, data.task_names, module.hparams.mode):
+        if launch_rank() == 0:
+            print(f"mima fit: {run_dir} has finished (final/ holds every task model); nothing to resume")
+        return FitResult(run_dir, None)
     if trainer.is_global_zero and launch_rank() == 0:
         # only now, with every input checked, may an earlier run that --overwrite replaces be removed
-        RunFolder(run_dir).prepare(resuming=cli.config.get("ckpt_path") is not None, overwrite=bool(cli.config.get("overwrite")))
-        if cli.config.get("ckpt_path") is not None:
-            print(f"mima fit: resuming from {ckpt_path}" if ckpt_path else "mima fit: no checkpoint yet, starting fresh")
-        RunFolder(run_dir).write_config(cli.parser.dump(cli.config, skip_none=False))
-    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
-    checkpoint = trainer.checkpoint_callback
-    preempted_by = getattr(checkpoint, "preempted_by", None)
-    if preempted_by and trainer.is_global_zero:
-        print(f"mima fit: stopped by signal {preempted_by} at step {trainer.global_step}; state saved, resume with --ckpt_path last")
-        requeue_slurm_job()
-    return FitResult(run_dir, preempted_by)
+        aside = run.prepare(resuming=resuming, overwrite=bool(cli.config.get("overwrite")))
+        if aside:
+            print(f"mima fit: --overwrite: the earlier run waits in {aside} until this one has saved its first checkpoint")
+        run.stop_file.unlink(missing_ok=True)  # a stop asked of an earlier attempt is not one of this
+        log_resume(notes)
+        if resuming:
+            steps = sorted({int(p.name.split("step-")[1][:8]) for p in (resume_states or {}).values()})
+            print(f"mima fit: resuming from process steps {', '.join(map(str, steps))} ({run.checkpoints_dir})"
+                  if resume_states else "mima fit: no checkpoint yet, starting fresh")
+        run.write_config(cli.parser.dump(cli.config, skip_none=False))
+    trainer.strategy.resume_states = resume_states
+    trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
+    stopped_by = getattr(trainer.checkpoint_callback, "stopped_by", None)
+    if stopped_by is not None and trainer.is_global_zero:
+        cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"
+        print(f"mima fit: stopped by {cause} at process step {trainer.global_step}; state saved, resume with --ckpt_path last")
+        if stopped_by == signal.SIGUSR1:
+            # SLURM's warning before the time limit: come back and go on. Not SIGTERM: that is scancel
+            # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
+            requeue_slurm_job()
+    return FitResult(run_dir, stopped_by)
+
+
+def _finished(run: RunFolder, tasks: list[str], mode: str) -> bool:
+    names = [JOINT] if mode == JOINT else tasks
+    return all(run.final_metadata_file(name).is_file() for name in names)
 
 
 def requeue_slurm_job() -> None:

@@ -1,0 +1,176 @@
+"""Stopping a run early without a per-step collective over all processes.
+
+A stop is requested by a signal to any process (SIGUSR1: SLURM's warning before the time limit,
+SIGTERM: preemption or `scancel`) or by a file `STOP` in the run folder (`touch RUN/STOP`).
+Processes of a MIMA run take different numbers of steps between two syncs (a process may own one
+task more than another) and only meet at the phase-end sync, so they cannot agree on a stop step
+with a collective at every step. They agree through the rendezvous store instead, one key per phase:
+
+  * A process that sees a request at a step boundary inside phase p claims the phase's decision
+    for "stop" (an atomic compare-and-set) and stops there, saving its state.
+  * A process that reaches the sync of phase p registers its arrival and waits until either every
+    process has arrived (it then claims "go" and enters the averaging collective) or the decision
+    is "stop" (it saves its state, sync still pending, and stops).
+  * Every process also reads the decision of its current phase at each step boundary.
+Whichever claim comes first wins, so either every process enters the sync of phase p or none
+does; every process stops inside the same phase, and their saved states form a consistent cut
+(mima.training.checkpointing resumes each process from its own). Replicas of one task (W > T)
+train in lockstep and must stop at the same step: they combine what they saw with one small
+all-reduce inside their task group per step (they all-reduce gradients there anyway).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+GO = b"go"
+FAILED = "mima/failed"
+POLL_S = 0.002
+
+_received: list[int] = []  # signals this process has seen and not yet acted on
+
+
+def _remember_signal(signum, frame) -> None:
+    _received.append(int(signum))
+
+
+def _stop_value(signum: int) -> bytes:
+    return f"stop:{signum}".encode()
+
+
+def _signal_of(decision: bytes) -> int | None:
+    """The signal number a stop decision carries (0: the STOP file), None for "go"."""
+    return int(decision.split(b":")[1]) if decision.startswith(b"stop:") else None
+
+
+class StopAgreement:
+    """The stop protocol of one process (see the module docstring).
+
+    Args:
+        run_dir: the run folder (where `STOP` is looked for).
+        world_size: the number of processes.
+        task_group: the process group of this process's task replicas (None: no replicas).
+        device: where the replica all-reduce's tensor lives (the process's device).
+        enabled: False when nothing could be saved (checkpointing off): requests are ignored.
+        timeout_s: seconds a process waits at a sync for the others before the run fails (a process
+            that died cannot hang the job; one that failed with an error says so at once).
+    """
+
+    def __init__(self, run_dir: Path, world_size: int, task_group=None, device: torch.device | None = None,
+                 enabled: bool = True, timeout_s: float = 1800.0) -> None:
+        self.enabled = enabled
+        self.timeout_s = timeout_s  # how long a sync waits for the other processes (as a collective would)
+        self.stop_file = RunFolder(Path(run_dir)).stop_file
+        self.world_size = world_size
+        self.task_group = task_group
+        self.device = device or torch.device("cpu")
+        self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        self.stopped_by: int | None = None  # signal number that stopped the run; 0: the STOP file
+        self.waits: list[float] = []  # seconds this process waited at each sync for the others
+
+    def install(self) -> None:
+        """Take over SIGUSR1 and SIGTERM: from now on they only request a stop."""
+        _received.clear()
+        if self.enabled:
+            for signum in SIGNALS:
+                signal.signal(signum, _remember_signal)
+
+    # ------------------------------------------------------------------------- requests
+    def _requested(self) -> int | None:
+        """This process's own request: a signal number, 0 for the STOP file, None for none."""
+        if not self.enabled:
+            return None
+        if _received:
+            return _received[-1]
+        if self.stop_file.exists():
+            return 0
+        return None
+
+    def _key(self, phase: int) -> str:
+        return f"mima/stop/{phase}"
+
+    def _claim(self, phase: int, value: bytes) -> bytes:
+        if self.store is None:
+            return value
+        return self.store.compare_set(self._key(phase), "", value)
+
+    def _decided(self, phase: int) -> bytes | None:
+        if self.store is None or not self.store.check([self._key(phase)]):
+            return None
+        return self.store.get(self._key(phase))
+
+    # ---------------------------------------------------------------------- the protocol
+    def at_step(self, phase: int) -> bool:
+        """At a step boundary inside `phase`: True if the process must save and stop now."""
+        if not self.enabled:
+            return False
+        requested = self._requested()
+        # a claim cannot come back "go": this process has not arrived at the phase's sync
+        decision = self._claim(phase, _stop_value(requested)) if requested is not None else self._decided(phase)
+        signum = _signal_of(decision) if decision is not None else None
+        if self.task_group is not None:  # replicas stop together (-1: no stop)
+            flag = torch.tensor([-1 if signum is None else signum], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.task_group)
+            signum = None if int(flag.item()) < 0 else int(flag.item())
+        self.stopped_by = signum
+        return signum is not None
+
+    def at_sync(self, phase: int) -> bool:
+        """At the sync ending `phase`: True to enter it, False if the run stops before it."""
+        if self.store is None:
+            return not self.at_step(phase)
+        arrived_at = time.monotonic()
+        arrivals = f"mima/arrive/{phase}"
+        self.store.add(arrivals, 1)
+        while True:
+            self._raise_if_a_process_failed(phase, arrived_at)
+            decision = self._decided(phase)
+            if decision is None:
+                if self.store.add(arrivals, 0) == self.world_size:
+                    decision = self._claim(phase, GO)
+                elif (requested := self._requested()) is not None:
+                    decision = self._claim(phase, _stop_value(requested))
+            if decision is not None:
+                self.waits.append(time.monotonic() - arrived_at)
+                self.stopped_by = _signal_of(decision)
+                return self.stopped_by is None
+            time.sleep(POLL_S)
+
+    def report_failure(self, rank: int) -> None:
+        """Tell the processes waiting at a sync that this one will not come (it raised an error)."""
+        if self.store is not None:
+            try:
+                self.store.compare_set(FAILED, "", str(rank))
+            except Exception:  # the store's host (rank 0) may be the one that failed
+                pass
+
+    def _raise_if_a_process_failed(self, phase: int, arrived_at: float) -> None:
+        if self.store.check([FAILED]):
+            rank = self.store.get(FAILED).decode()
+            raise MimaError(f"process {rank} failed; stopping at the sync of phase {phase + 1} (see its error above)")
+        if time.monotonic() - arrived_at > self.timeout_s:
+            arrived = self.store.add(f"mima/arrive/{phase}", 0)
+            raise MimaError(
+                f"only {arrived} of {self.world_size} processes reached the sync of phase {phase + 1} within "
+                f"{self.timeout_s:.0f} s (--collective_timeout); a process has died or hangs"
+            )
+
+
+def stop_agreement(trainer) -> StopAgreement:
+    """The run's StopAgreement: MimaStrategy's, or, for a plain one-process Trainer (tests, notebooks),
+    one that never stops (nothing would save the state)."""
+    stop = getattr(trainer.strategy, "stop", None)
+    if stop is None:
+        stop = getattr(trainer, "_mima_stop", None)
+        if stop is None:
+            stop = trainer._mima_stop = StopAgreement(Path(trainer.default_root_dir), 1, enabled=False)
+    return stop
