@@ -8,6 +8,7 @@
     mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
     mima convert --from hf-clip HF_DIR_OR_FILE --output OUT.safetensors | --to hf-clip ENC.safetensors --output DIR
     mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
+    mima data cache --config FILE [--data.root DIR] [--workers N]   decode a config's tasks once (data.cache)
     mima analyze cosine|landscape|rank-sweep|ctl|gradients ...   why a merge works (plots + numbers)
     mima report DIR [--out DIR]                     one Markdown + HTML page for a run or a sweep
 
@@ -38,6 +39,7 @@ COMMANDS = {
 }
 DATA_COMMANDS = {
     "check": "list, per task, the files and folders expected under --root and which are missing (exit 1 if any)",
+    "cache": "decode, resize and crop a config's tasks once into uint8 files (what `data.cache: true` reads)",
 }
 
 
@@ -251,6 +253,9 @@ def data_command(argv: Sequence[str]) -> int:
         print("usage: mima data SUBCOMMAND [options]\n\nsubcommands:")
         print("\n".join(f"  {name:<6} {text}" for name, text in DATA_COMMANDS.items()))
         return 0
+    if argv[0] == "cache":
+        cache_command(argv[1:])
+        return 0
     if argv[0] != "check":
         raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
     from mima.data.check import run_check, select_tasks
@@ -269,6 +274,37 @@ def data_command(argv: Sequence[str]) -> int:
                         help="first let torchvision download the checked tasks it can (needs internet)")
     options = parser.parse_args(argv[1:])
     return run_check(options.root, select_tasks(options.tasks, options.benchmark), download=options.download)
+
+
+def cache_command(argv: Sequence[str]) -> None:
+    from mima.models.clip import default_cache_dir, load_clip
+    from mima.training.run_config import load_run_config
+
+    parser = _OneLineParser(
+        prog="mima data cache",
+        description="Build the decoded-image cache of a `mima fit` config's tasks (mima.data.cache): each split "
+        "decoded once through the model's evaluation transform (resize, centre crop) and stored as uint8, where "
+        "data.cache_dir says (default $MIMA_CACHE_DIR/data). Stale or missing splits are rebuilt, others kept. "
+        "`mima fit` with data.cache: true builds what is missing itself.",
+    )
+    parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
+    parser.add_argument("--data.root", dest="data_root", type=Path, help="the data root, when the config leaves it out")
+    parser.add_argument("--workers", type=int, default=None, help="decoding processes (default: data.num_workers or up to 4)")
+    options = parser.parse_args(argv)
+    config = load_run_config(options.config)
+    if options.data_root is not None:
+        config.data.root = str(options.data_root)
+    if options.workers is not None:
+        if options.workers < 0:
+            raise MimaError(f"--workers must be >= 0, got {options.workers}")
+        config.data.num_workers = options.workers
+    model = config.model
+    loaded = load_clip(model.clip, model.pretrained, cache_dir=Path(model.cache_dir) if model.cache_dir else default_cache_dir())
+    data = config.datamodule()
+    for task in data.build_cache(loaded.image_size, loaded.preprocess):
+        sizes = ", ".join(f"{split} {len(cached)}" for split, cached in task.splits.items())
+        print(f"mima data cache: {task.name}: {sizes} images ({'augmented' if task.augment else 'not augmented'} in training)")
+    print(f"mima data cache: in {data.cache_folder}")
 
 
 # ---------------------------------------------------------------------------- analyze

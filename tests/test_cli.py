@@ -216,12 +216,27 @@ def _fit_argv(tmp_path, small_clip, **changes) -> list[str]:
         ({"model.clip": "ViT-Nope"}, ["unknown open_clip architecture 'ViT-Nope'"]),
         ({"model.steps": "many"}, ["config:", "model.steps"]),
         ({"trainer.max_steps": "10"}, ["trainer.max_steps", "model.steps and model.iterations"]),
+        ({"checkpoint_every": "weekly"}, ["--checkpoint_every must be 'segment', 'phase', a number", "'weekly'"]),
+        ({"checkpoint_every": "-3"}, ["--checkpoint_every must be", "-3"]),
+        ({"out": "runs/{config}-{lr}"}, ["--out runs/{config}-{lr}: only {config}, {iterations} and {seed}"]),
     ],
 )
 def test_fit_config_errors_are_one_line(tmp_path, small_clip, capsys, changes, fragments):
     code, err = _run(_fit_argv(tmp_path, small_clip, **changes), capsys)
     _assert_one_line_error(code, err, *fragments)
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_fit_fills_the_run_name_fields_of_out(tmp_path, small_clip, capsys):
+    """--out with {config}, {iterations}, {seed}: a job submitted again finds its finished run."""
+    config = tmp_path / "my-config.yaml"
+    config.write_text("seed_everything: 7\n")
+    argv = ["fit", "--config", str(config)] + _fit_argv(tmp_path, small_clip, out=str(tmp_path / "{config}-N{iterations}-seed{seed}"))[1:]
+    assert _run(argv, capsys)[0] == 0
+    run = tmp_path / "my-config-N2-seed7"
+    assert (run / "final" / "rot90.json").is_file() and not (run / "checkpoints").exists()
+    code = main(argv + ["--ckpt_path", "last"])
+    assert code == 0 and "has finished (final/ holds every task model); nothing to resume" in capsys.readouterr().out
 
 
 def test_fit_refuses_to_overwrite_an_earlier_run(tmp_path, small_clip, capsys):
@@ -269,7 +284,10 @@ def test_merge_rejects_a_truncated_safetensors_file(checkpoints, tmp_path, capsy
     assert not out.exists() and not list(tmp_path.glob(".out.safetensors*"))
 
 
-def test_sigterm_during_a_merge_leaves_no_temporary_file(tmp_path):
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_signal_during_a_merge_leaves_no_temporary_file(tmp_path, signum):
+    """SIGTERM: the merge removes its temporary file and exits 143. SIGKILL gives it no chance; the
+    next merge to the same output finds the dead process's file, says so and removes it."""
     import signal
     import time
 
@@ -286,7 +304,15 @@ def test_sigterm_during_a_merge_leaves_no_temporary_file(tmp_path):
     while not list(tmp_path.glob(".merged.safetensors.*.tmp")) and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert job.poll() is None, "the merge ended before its output was being written"
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(getattr(signal, signum))
     _, err = job.communicate(timeout=60)
-    assert job.returncode == 128 + signal.SIGTERM and err.strip().splitlines() == ["mima merge: terminated"], err
-    assert not out.exists() and not list(tmp_path.glob(".merged*"))
+    if signum == "SIGTERM":
+        assert job.returncode == 128 + signal.SIGTERM and err.strip().splitlines() == ["mima merge: terminated"], err
+        assert not out.exists() and not list(tmp_path.glob(".merged*"))
+        return
+    leftovers = list(tmp_path.glob(".merged.safetensors.*.tmp"))
+    assert job.returncode == -signal.SIGKILL and len(leftovers) == 1 and not out.exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"removed {leftovers[0]}, left by an interrupted earlier write" in again.stderr
+    assert out.is_file() and not list(tmp_path.glob(".merged*"))

@@ -203,9 +203,15 @@ def test_every_process_logs_the_losses_of_its_own_tasks(tmp_path, small_clip):
             rows = list(csv.DictReader(handle))
         columns = {key for row in rows for key, value in row.items() if key.startswith("train/loss/") and value}
         assert columns == {f"train/loss/{task}" for task in owned[rank]}, (rank, columns)
+        # the same scalars as TensorBoard events in the same folder (the `tensorboard` extra; in `test`)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(file.parent))
+        events.Reload()
         for task in owned[rank]:
             losses = [float(row[f"train/loss/{task}"]) for row in rows if row.get(f"train/loss/{task}")]
             assert len(losses) == STEPS
+            assert [e.value for e in events.Scalars(f"train/loss/{task}")] == pytest.approx(losses, rel=1e-6)
             # the per-phase means that the phase sync gathered from every process (metrics.jsonl)
             for phase, record in enumerate(records):
                 phase_losses = losses[phase * steps_per_phase : (phase + 1) * steps_per_phase]

@@ -2,7 +2,9 @@
 
 Every file mima writes goes through `atomic_path`: the bytes land in a temporary file beside the
 target, are flushed to disk, and are renamed onto the target only when the write succeeded. A crash
-or a signal mid-write leaves the previous file (if any) untouched and no partial file behind.
+or a signal mid-write leaves the previous file (if any) untouched and no partial file behind. A
+temporary file carries its writer's process id, so one left by a killed process (SIGKILL leaves no
+chance to clean up) is found and removed, with a message, by the next write to the same target.
 Every command that writes outputs asks `refuse_overwrite` first, before any work starts.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,7 +56,8 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
         raise MimaError(f"{target}: is a folder; give a file name to write")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        remove_stale_temporaries(target)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:  # a read-only folder, a path through a file, a full disk
         raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
     os.close(fd)
@@ -68,6 +72,32 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporary files of writes to `target` whose process no longer exists."""
+    removed = []
+    for leftover in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
+        pid = leftover.name[len(target.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            leftover.unlink(missing_ok=True)
+            removed.append(leftover)
+            sys.stderr.write(f"mima: removed {leftover}, left by an interrupted earlier write of {target.name}\n")
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _umask() -> int:

@@ -1,19 +1,26 @@
 """Streaming access to safetensors files: read one tensor at a time, write one tensor at a time.
 
-`safetensors.safe_open` maps the whole file into memory; every page a merge touches then stays in
-the process's resident set, so merging T models would hold T models' worth of pages. The reader
-here parses the header itself and reads each tensor with plain file reads into a fresh buffer, so
-memory holds only the tensors the caller keeps. The writer knows every output tensor's shape and
-dtype up front (a merge preserves them), writes the header first and then each tensor as it is
-produced, into a temporary file renamed into place at the end (nothing partial is left on error).
-Both follow the safetensors format: an 8-byte little-endian header length, a JSON header with
-dtype, shape and data offsets per tensor, then the raw little-endian data.
+Reading goes through the safetensors library (`safe_open`), which checks the header as the format
+requires (offsets that tile the data exactly, no overlap, sizes without overflow, known dtypes,
+string metadata) and memory-maps the file. A tensor from `safe_open(...).get_tensor` is a view into
+that private mapping of the whole file: it keeps the mapping alive, and any in-place change by a
+caller turns the pages it touches into anonymous copy-on-write pages that stay until the mapping
+goes. The reader therefore hands out a copy of each tensor, which the caller owns alone and which
+is freed with it; the mapping itself only ever holds clean file pages, which the kernel can drop
+at any time. Reading T models one key at a time thus holds in anonymous memory only the tensors
+the caller keeps (one copy per read, as the plain file reads of earlier versions did).
+
+The writer knows every output tensor's shape and dtype up front (a merge preserves them), writes
+the header first and then each tensor as it is produced, into a temporary file renamed into place
+at the end (nothing partial is left on error). It follows the safetensors format: an 8-byte
+little-endian header length, a JSON header with dtype, shape and data offsets per tensor (the
+data start 8-byte aligned), then the raw little-endian data; the tests read its files back with
+`safe_open`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,17 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from mima.core.errors import MimaError
 from mima.core.files import atomic_path
 
+# The format's dtype names (the library's) for the dtypes a merge computes with on the CPU or
+# copies from theta_0. Not here: float8 (torch's CPU kernels cannot sum or check them), complex, and
+# the sub-byte floats; a file holding one is refused with the key and the dtype named.
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
-MAX_HEADER = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -40,82 +51,75 @@ class TensorInfo:
 
     shape: torch.Size
     dtype: torch.dtype
-    start: int
-    end: int
 
     @property
     def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
+        return int(self.shape.numel())
 
 
 class SafetensorsReader(Mapping[str, torch.Tensor]):
-    """A lazy, read-only state dict backed by a safetensors file: `reader[key]` reads that tensor."""
+    """A lazy, read-only state dict backed by a safetensors file: `reader[key]` reads that tensor.
+
+    Keys come in the order of their data in the file (the order the file was written in)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise MimaError(f"{self.path}: no such file")
-        self._file = open(self.path, "rb")
-        self.infos, self.metadata, self._data_start = self._read_header()
-
-    def _read_header(self) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
-        size = os.fstat(self._file.fileno()).st_size
-        prefix = self._file.read(8)
-        if len(prefix) < 8:
-            raise MimaError(f"{self.path}: not a safetensors file (shorter than its 8-byte header length)")
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > min(MAX_HEADER, size - 8):
-            raise MimaError(f"{self.path}: not a safetensors file, or truncated (header of {header_length} bytes)")
         try:
-            header = json.loads(self._file.read(header_length))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise MimaError(f"{self.path}: not a safetensors file (its header is not JSON)") from None
-        if not isinstance(header, dict):
-            raise MimaError(f"{self.path}: not a safetensors file (its header is a JSON {type(header).__name__}, not an object)")
-        metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise MimaError(f"{self.path}: damaged header: __metadata__ must map names to strings")
-        data_start, data_size = 8 + header_length, size - 8 - header_length
-        infos = {key: self._entry(key, entry) for key, entry in header.items()}
-        ordered = dict(sorted(infos.items(), key=lambda item: (item[1].start, item[1].end)))
-        # The safetensors library's rule: the tensors tile the data exactly, in offset order, with
-        # no gap, no overlap (two names for one range, or ranges that share bytes) and nothing after.
-        position = 0
-        for key, info in ordered.items():
-            if info.start != position:
-                problem = "overlaps the tensor before it" if info.start < position else f"leaves a gap at byte {position}"
-                raise MimaError(f"{self.path}: damaged header: tensor '{key}' (bytes {info.start}-{info.end}) {problem}")
-            position = info.end
-        if position != data_size:
-            what = f"truncated: the tensors need {position} bytes of data, the file has {data_size}" if position > data_size \
-                else f"damaged: {data_size - position} bytes after the last tensor"
-            raise MimaError(f"{self.path}: {what}")
-        return ordered, metadata, data_start
+            self._handle = safe_open(str(self.path), framework="pt")
+        except (SafetensorError, OSError) as error:
+            raise self._refusal(error) from None
+        self._open = True
+        try:
+            self._identity = _identity(os.stat(self.path))
+            self.metadata: dict[str, str] = self._handle.metadata() or {}
+            self.infos: dict[str, TensorInfo] = {key: self._info(key) for key in self._handle.offset_keys()}
+        except BaseException:
+            self.close()
+            raise
 
-    def _entry(self, key: str, entry: object) -> TensorInfo:
-        """One header entry, checked: a known dtype, a shape of whole numbers >= 0, two whole offsets
-        that hold exactly the shape's bytes (sizes in Python integers, which cannot overflow)."""
-        def whole(values: object, count: int | None = None) -> bool:
-            return (isinstance(values, list) and (count is None or len(values) == count)
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values))
+    def _refusal(self, error: Exception) -> MimaError:
+        """The library's reason, on one line, after what it means for the user."""
+        reason = " ".join(str(error).split())
+        # "not fully covered": the header promises data the file does not hold (or holds more than);
+        # a file cut short, the common case, says so.
+        what = "truncated, or damaged" if "not fully covered" in reason else "not a safetensors file, or a damaged one"
+        return MimaError(f"{self.path}: {what} (safetensors: {reason})")
 
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES or not whole(entry.get("shape")) \
-                or not whole(entry.get("data_offsets"), 2):
-            raise MimaError(f"{self.path}: damaged header entry for tensor '{key}' (expected a known dtype, a shape "
-                            "and two data offsets of whole numbers >= 0)")
-        dtype, shape, (start, end) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
-        needed = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - start != needed:
-            raise MimaError(f"{self.path}: damaged: tensor '{key}' holds {end - start} bytes, its shape {shape} needs {needed}")
-        return TensorInfo(torch.Size(shape), dtype, start, end)
+    def _info(self, key: str) -> TensorInfo:
+        view = self._handle.get_slice(key)  # the header's entry; reads no data
+        name = view.get_dtype()
+        if name not in DTYPES:
+            raise MimaError(f"{self.path}: tensor '{key}' has dtype {name}; mima reads {', '.join(DTYPES)}")
+        return TensorInfo(torch.Size(view.get_shape()), DTYPES[name])
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        info = self.infos[key]
-        buffer = torch.empty(info.end - info.start, dtype=torch.uint8)
-        self._file.seek(self._data_start + info.start)
-        if self._file.readinto(memoryview(buffer.numpy())) != info.end - info.start:
-            raise MimaError(f"{self.path}: truncated while reading tensor '{key}'")
-        return buffer.view(info.dtype).reshape(info.shape)
+        if key not in self.infos:
+            raise KeyError(key)  # as a Mapping should
+        if not self._open:
+            raise MimaError(f"{self.path}: read after the file was closed (tensor '{key}')")
+        if self._cut_short():
+            raise MimaError(f"{self.path}: truncated while being read (before tensor '{key}')")
+        try:
+            mapped = self._handle.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise self._refusal(error) from None
+        # A copy the caller owns: the view would keep the whole mapping alive, and the caller's
+        # in-place changes would land in it as anonymous copy-on-write pages (see the module text).
+        return mapped.clone()
+
+    def _cut_short(self) -> bool:
+        """Whether the opened file has shrunk in place since it was opened.
+
+        The mapping covers the file as it was: touching a page past a shortened end would kill the
+        process (SIGBUS), so such a file is refused instead. A file replaced by a rename or removed
+        is no danger: the mapping still holds the old inode."""
+        try:
+            identity, size = _identity(os.stat(self.path))
+        except FileNotFoundError:
+            return False
+        return identity == self._identity[0] and size < self._identity[1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.infos)
@@ -124,13 +128,21 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         return len(self.infos)
 
     def close(self) -> None:
-        self._file.close()
+        """Let go of the file (and its mapping: no tensor handed out refers to it)."""
+        if self._open:
+            self._open = False
+            self._handle.__exit__(None, None, None)
 
     def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _identity(stat: os.stat_result) -> tuple[tuple[int, int], int]:
+    """(device, inode) and size: which file a path names, and how long it is."""
+    return (stat.st_dev, stat.st_ino), stat.st_size
 
 
 class SafetensorsWriter:

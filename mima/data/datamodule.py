@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -11,6 +13,8 @@ from torch.utils.data import DataLoader
 from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
+from mima.data.cache import (BatchPreparer, CachedTask, CachedTrainingSet, whole_batch, crop_settings,
+                             default_data_cache_dir, eval_geometry, load_cached_task)
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
@@ -56,6 +60,8 @@ class ProcessTasks:
     train_set: Callable[[str], object]
     mode: str = "mima"
     head_tasks: tuple[int, ...] = ()  # the tasks whose heads this process uses: its own (MIMA) or all (joint)
+    # with data.cache: turns a cached batch, on the device, into (images, labels, slots) (mima.data.cache)
+    prepare_batch: Callable | None = None
 
     @property
     def local_specs(self) -> list[TaskSpec]:
@@ -87,6 +93,13 @@ class TaskSuiteDataModule(L.LightningDataModule):
             needed for the bundled suites).
         custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
             with a name (not a suite task's), a path and optionally a class-names file and templates.
+        cache: read every split from the decoded-image cache (`mima.data.cache`, built on first use
+            or by `mima data cache`): images decoded, resized and centre-cropped once, stored as
+            uint8; training batches are read by index, augmented (where the task is) and normalised
+            on the device. Evaluation gives open_clip's tensors; the training crop is taken from the
+            cached centre crop (see mima.data.cache for every difference). Not for tensor suites
+            (`digits`, `synthetic`). Default false: the per-image transform path.
+        cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
     """
 
     def __init__(
@@ -101,6 +114,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
         split_seed: int = 0,
         download: bool = False,
         custom_tasks: list[FolderTask] | None = None,
+        cache: bool = False,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -112,6 +127,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
         check_specs(self.task_specs, root, download)  # missing benchmark files: one line, before any training
         self._loaded: dict[tuple[str, bool], TaskData] = {}  # (task, with a training transform)
+        self._cached: dict[str, CachedTask] = {}
+        self.cache_progress = True  # the cache build's tqdm bar
         self._setup: TrainingSetup | None = None
         self._process: ProcessTasks | None = None
 
@@ -144,8 +161,37 @@ class TaskSuiteDataModule(L.LightningDataModule):
             train_set=lambda name: self.task_data(name, setup.image_size, setup.preprocess).train,
             mode=setup.mode,
             head_tasks=head_tasks,
+            prepare_batch=self._batch_preparer(setup) if self.hparams.cache else None,
         )
         return self._process
+
+    def _batch_preparer(self, setup: TrainingSetup) -> BatchPreparer:
+        """The device-side half of the cached path (checks the model's transforms now, before training)."""
+        if setup.preprocess is None:
+            raise MimaError("data.cache: needs the model's image transform")
+        geometry = eval_geometry(setup.preprocess, setup.image_size)
+        return BatchPreparer(geometry.mean, geometry.std, setup.image_size, crop_settings(setup.preprocess_train))
+
+    @property
+    def cache_folder(self) -> Path:
+        return Path(self.hparams.cache_dir).expanduser() if self.hparams.get("cache_dir") else default_data_cache_dir()
+
+    def cached_task(self, name: str, image_size: int, preprocess: Callable) -> CachedTask:
+        """Task `name`'s cached splits, built (in parallel, with a progress bar) where missing or stale."""
+        if name not in self._cached:
+            spec = next(spec for spec in self.task_specs if spec.name == name)
+            custom = {task["name"]: task["path"] for task in self.hparams.get("custom_tasks") or []}
+            identity = {"suite": self.hparams.suite, "root": self.hparams.root, "path": custom.get(name)}
+            options = LoadOptions(root=self.hparams.root, image_size=image_size, split_seed=self.hparams.split_seed,
+                                  download=self.hparams.download)
+            workers = self.hparams.num_workers or min(4, os.cpu_count() or 1)
+            self._cached[name] = load_cached_task(spec, options, preprocess, self.cache_folder, identity, workers,
+                                                  self.cache_progress)
+        return self._cached[name]
+
+    def build_cache(self, image_size: int, preprocess: Callable) -> list[CachedTask]:
+        """`mima data cache`: every task's cached splits, built where missing or stale."""
+        return [self.cached_task(name, image_size, preprocess) for name in self.task_names]
 
     @property
     def data_key(self) -> str:
@@ -165,6 +211,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
         is the model's evaluation transform, `preprocess_train` its training transform for the train
         split (None: the evaluation one); suites of PIL images use them (see LoadOptions), tensor
         datasets are sized by `image_size`."""
+        if self.hparams.get("cache") and preprocess is not None:
+            # every split from the cache, through the evaluation transform (training reads the same
+            # files in train_dataloader, and augments on the device)
+            return self.cached_task(name, image_size, preprocess).task_data()
         key = (name, preprocess_train is not None)
         if key not in self._loaded:
             spec = next(spec for spec in self.task_specs if spec.name == name)
@@ -184,20 +234,38 @@ class TaskSuiteDataModule(L.LightningDataModule):
             raise RuntimeError("TaskSuiteDataModule.connect must run (MimaModule.setup calls it) before training")
         process, setup = self._process, self._setup
         names = [spec.name for spec in process.local_specs]
-        local = [self.task_data(name, setup.image_size, setup.preprocess, setup.preprocess_train).train for name in names]
+        cached = bool(self.hparams.get("cache"))
+        if cached:
+            tasks = [self.cached_task(name, setup.image_size, setup.preprocess) for name in names]
+            local = [task.splits["train"] for task in tasks]
+        else:
+            local = [self.task_data(name, setup.image_size, setup.preprocess, setup.preprocess_train).train for name in names]
         sizes = [len(dataset) for dataset in local]
         start = self.trainer.global_step  # restored before this is called: resume where it stopped
         seed, batch_size = self.hparams.seed, self.hparams.batch_size
         if process.mode == JOINT:
             sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard,
-                                        setup.accumulate)
+                                        setup.accumulate, draws=cached)
         else:
-            sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard, setup.accumulate)
+            sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard, setup.accumulate,
+                                        draws=cached)
+        if not cached:
+            return DataLoader(
+                MultiTaskDataset(local),
+                batch_sampler=sampler,
+                num_workers=self.hparams.num_workers,
+                persistent_workers=self.hparams.num_workers > 0,
+            )
+        # whole uint8 batches, pinned for non-blocking copies (Lightning copies with non_blocking=True)
+        dataset = CachedTrainingSet(local, [task.augment for task in tasks], crop_settings(setup.preprocess_train),
+                                    setup.image_size)
         return DataLoader(
-            MultiTaskDataset(local),
+            dataset,
             batch_sampler=sampler,
+            collate_fn=whole_batch,
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
+            pin_memory=self.trainer.strategy.root_device.type == "cuda",
         )
 
 

@@ -47,6 +47,19 @@ class TaskStream:
         return indices
 
 
+def draw_seed(seed: int, task: str, task_step: int, position: int) -> int:
+    """The seed of example `position` of task `task`'s batch at per-task step `task_step`: what the
+    cached path's random crop of that example is drawn from. It depends on neither the process nor
+    the shard nor the worker, so augmented batches are the same at any W and after a resume."""
+    digest = hashlib.sha256(f"mima/{seed}/{task}/draw/{task_step}/{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def with_draws(pairs: list[tuple[int, int]], seed: int, task: str, task_step: int, positions: range) -> list[tuple[int, int, int]]:
+    """(slot, example) pairs of a step's batch -> (slot, example, draw seed) triples."""
+    return [(slot, example, draw_seed(seed, task, task_step, position)) for (slot, example), position in zip(pairs, positions)]
+
+
 class MultiTaskDataset(Dataset):
     """Indexed by (slot, example): returns (image, label, slot) from the slot-th task's dataset."""
 
@@ -99,10 +112,12 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
         start_step: int = 0,
         shard: tuple[int, int] = (0, 1),
         accumulate: int = 1,
+        draws: bool = False,
     ) -> None:
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
         self.plan, self.start_step, self.accumulate = plan, start_step, accumulate
+        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) for the cached path
         self.batch_size = batch_size * accumulate  # examples per optimiser step
         self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [
@@ -116,7 +131,12 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
         for step in range(self.start_step, self.plan.local_steps):
             position = self.plan.position(step)
             examples = self.streams[position.slot].batch(position.task_step, self.batch_size)
-            yield from micro_batches([(position.slot, example) for example in examples[self.shard_slice]], self.accumulate)
+            pairs = [(position.slot, example) for example in examples[self.shard_slice]]
+            if self.draws:
+                stream = self.streams[position.slot]
+                positions = range(self.batch_size)[self.shard_slice]
+                pairs = with_draws(pairs, self.seed, stream.task, position.task_step, positions)
+            yield from micro_batches(pairs, self.accumulate)
 
 
 class JointBatchSampler(Sampler[list[tuple[int, int]]]):
@@ -134,10 +154,12 @@ class JointBatchSampler(Sampler[list[tuple[int, int]]]):
         start_step: int = 0,
         shard: tuple[int, int] = (0, 1),
         accumulate: int = 1,
+        draws: bool = False,
     ) -> None:
         if len(train_sizes) != len(tasks):
             raise ValueError("one training-set size per task is needed")
         self.total_steps, self.start_step, self.accumulate = total_steps, start_step, accumulate
+        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) for the cached path
         self.batch_size = batch_size * accumulate  # examples of each task per optimiser step
         self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [TaskStream(task, size, seed) for task, size in zip(tasks, train_sizes)]
@@ -148,9 +170,12 @@ class JointBatchSampler(Sampler[list[tuple[int, int]]]):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.start_step, self.total_steps):
             # micro-batch m holds the m-th part of every task's batch, so each holds every task
-            parts = [
-                micro_batches([(slot, example) for example in stream.batch(step, self.batch_size)[self.shard_slice]], self.accumulate)
-                for slot, stream in enumerate(self.streams)
-            ]
+            parts = [micro_batches(self._pairs(slot, stream, step), self.accumulate) for slot, stream in enumerate(self.streams)]
             for micro in range(self.accumulate):
                 yield [pair for task_parts in parts for pair in task_parts[micro]]
+
+    def _pairs(self, slot: int, stream: TaskStream, step: int) -> list:
+        pairs = [(slot, example) for example in stream.batch(step, self.batch_size)[self.shard_slice]]
+        if self.draws:
+            pairs = with_draws(pairs, self.seed, stream.task, step, range(self.batch_size)[self.shard_slice])
+        return pairs

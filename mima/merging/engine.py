@@ -36,7 +36,7 @@ class OrderedView(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         tensor = self.reader[key]
         # a NaN or Inf in one input silently poisons every merge of it (sums, signs, SVDs)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise MimaError(f"{self.path or 'an input'}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights")
         return tensor
 
@@ -108,8 +108,20 @@ def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Seq
             writer.write(key, check_finite_output(str(metadata.get("method", "the merge")), key, state[key]))
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry of a tensor is finite (non-floating tensors always are).
+
+    A NaN or an infinity among the entries makes their sum NaN or infinite (IEEE arithmetic keeps
+    them), so a finite sum settles it in one pass with no temporary. Only a sum that overflows from
+    finite entries needs the entry-wise check, whose mask makes it about five times slower: run on
+    every tensor read, it was the largest part of a streamed task arithmetic's time."""
+    if not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def check_finite_output(method: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
     """Finite inputs can still overflow (say `--lam 1e308`); such a model is refused, not written."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise MimaError(f"{method}: the merged tensor '{key}' overflows to Inf or NaN; check the hyperparameters (e.g. --lam)")
     return tensor

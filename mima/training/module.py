@@ -205,7 +205,15 @@ class MimaModule(L.LightningModule):
         # callbacks act on (segment ends, checkpoints, preemption) only after a batch that stepped.
         self.stepped = True
 
+    def _prepared(self, batch):
+        """With `data.cache`, a batch arrives on the device as uint8 images with crop boxes: augment and
+        normalise it here, on the device, into the (images, labels, slots) of the per-image path. (Not
+        in on_after_batch_transfer: Lightning warns when a module overrides it beside a datamodule.)"""
+        prepare = self.tasks.prepare_batch if self.tasks is not None else None
+        return prepare(batch) if prepare is not None else batch
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        batch = self._prepared(batch)
         if self.hparams.mode == "joint":
             return self._joint_step(batch)
         images, labels, slots = batch

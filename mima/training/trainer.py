@@ -38,7 +38,7 @@ from mima.core.run_folder import JOINT, RunFolder
 from mima.training.checkpointing import MimaCheckpoint, log_resume, resolve_resume, run_identity
 from mima.core.layout import TaskLayout
 from mima.training.module import MimaModule
-from mima.training.rank_logger import RankCSVLogger
+from mima.training.rank_logger import rank_loggers
 from mima.training.run_config import config_error_text
 from mima.training.strategy import MimaStrategy
 
@@ -112,7 +112,7 @@ class MimaCLI(LightningCLI):
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
         if trainer_config.get("logger") in (None, True):
-            kwargs["logger"] = RankCSVLogger(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
+            kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
         every = checkpoint_schedule(config.get("checkpoint_every"))
         if every and trainer_config.get("enable_checkpointing") is not False:
             callbacks = list(self.config_init["trainer"].get("callbacks") or [])
