@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 from pathlib import Path
 
@@ -151,64 +150,8 @@ def test_sweep_script_parses():
     subprocess.run(["bash", "-n", str(SWEEP)], check=True)
 
 
-def _run_sweep_script(tmp_path: Path, index: int, fit_status: int, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """slurm/sweep_n.sbatch outside SLURM, with a stand-in launch.sh (exits `fit_status`) and a
-    stand-in `mima` that record how they were called."""
-    calls = tmp_path / "calls"
-    (tmp_path / "submit" / "slurm").mkdir(parents=True)
-    (tmp_path / "bin").mkdir()
-    calls.mkdir()
-    launch = tmp_path / "submit" / "slurm" / "launch.sh"
-    launch.write_text(
-        f'printf "%s\\n" "$MIMA_RUN_NAME" "$MIMA_CONFIG" "$MIMA_ACCELERATOR" "$@" > {calls}/launch\nexit {fit_status}\n'
-    )
-    mima = tmp_path / "bin" / "mima"
-    mima.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {calls}/mima\n')
-    mima.chmod(0o755)
-    environment = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MIMA_"))},
-        "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": str(index),
-        "MIMA_RUNS": str(tmp_path / "runs"), "MIMA_ENV_ACTIVATE": f"export PATH={tmp_path / 'bin'}:$PATH", **env,
-    }
-    result = subprocess.run(["bash", str(SWEEP), "--data.root", "/data/clip"], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=60)
-    return result, calls
-
-
-def test_sweep_element_fits_its_n_then_evaluates_its_run(tmp_path):
-    result, calls = _run_sweep_script(tmp_path, index=3, fit_status=0)
-    assert result.returncode == 0, result.stderr
-    assert (calls / "launch").read_text().split("\n")[:-1] == [
-        "77_N8", "configs/clip/ViT-B-32.yaml", "gpu", "--model.iterations", "8", "--data.root", "/data/clip",
-    ]
-    run_dir = str(tmp_path / "runs" / "77_N8")
-    assert (calls / "mima").read_text().split() == [
-        "evaluate", run_dir, "--out", f"{run_dir}/evaluation", "--merges", "uniform", "task_arithmetic", "ties", "cart",
-        "--overwrite",
-    ]
-
-
-def test_sweep_merges_and_accelerator_come_from_the_environment(tmp_path):
-    result, calls = _run_sweep_script(tmp_path, index=5, fit_status=0, MIMA_MERGES="uniform ties",
-                                      MIMA_ACCELERATOR="cpu", MIMA_CONFIG="my.yaml")
-    assert result.returncode == 0, result.stderr
-    assert (calls / "launch").read_text().split("\n")[:3] == ["77_N20", "my.yaml", "cpu"]
-    merges = (calls / "mima").read_text().split()
-    assert merges[merges.index("--merges") + 1:] == ["uniform", "ties", "--overwrite"]
-
-
-@pytest.mark.parametrize("fit_status", [138, 143, 1])  # preempted by SIGUSR1 / SIGTERM (requeued), failed
-def test_sweep_does_not_evaluate_a_fit_that_did_not_finish(tmp_path, fit_status):
-    result, calls = _run_sweep_script(tmp_path, index=0, fit_status=fit_status)
-    assert result.returncode == fit_status
-    assert (calls / "launch").exists() and not (calls / "mima").exists()
-    assert "not evaluating" in result.stdout
-
-
-def test_sweep_refuses_an_array_index_without_an_n(tmp_path):
-    result, calls = _run_sweep_script(tmp_path, index=len(SWEEP_N), fit_status=0)
-    assert result.returncode != 0 and "has no N" in result.stderr
-    assert not (calls / "launch").exists()
+# The sweep's srun commands, N and seed per element, and its evaluation job are tested in
+# tests/test_slurm.py (without and with a real SLURM).
 
 
 # OpenAI's released CLIP weights were trained with QuickGELU, x * sigmoid(1.702 x) (the CLIP
