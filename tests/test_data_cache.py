@@ -216,7 +216,7 @@ def _fit(tmp_path: Path, clip: str, devices: int, name: str) -> dict:
         "data": {"suite": None, "batch_size": 8, "seed": 3, "cache": True, "cache_dir": str(tmp_path / "cache"),
                  "custom_tasks": [{"name": "one", "path": str(tmp_path / "one")}, {"name": "two", "path": str(tmp_path / "two")}]},
         "trainer": {"accelerator": "cpu", "devices": devices, "enable_progress_bar": False,
-                    "enable_model_summary": False, "logger": False},
+                    "enable_model_summary": False},  # with mima's logger: data and model hparams merge
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))

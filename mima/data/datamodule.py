@@ -121,7 +121,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
         if batch_size < 1:
             raise MimaError(f"data.batch_size must be positive, got {batch_size}")
         folder_tasks = [as_folder_task(task, i) for i, task in enumerate(custom_tasks or [])]
-        self.save_hyperparameters(ignore=["custom_tasks"])
+        # cache_dir is kept out of hparams: Lightning merges the module's and the datamodule's hparams
+        # for loggers and refuses a key both hold with different values (model.cache_dir)
+        self.save_hyperparameters(ignore=["custom_tasks", "cache_dir"])
+        self.cache_dir = cache_dir
         # Plain dicts, not dataclasses: hyperparameters go into checkpoints and logs as plain data.
         self.hparams["custom_tasks"] = [asdict(task) for task in folder_tasks] or None
         self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
@@ -174,7 +177,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
 
     @property
     def cache_folder(self) -> Path:
-        return Path(self.hparams.cache_dir).expanduser() if self.hparams.get("cache_dir") else default_data_cache_dir()
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_data_cache_dir()
 
     def cached_task(self, name: str, image_size: int, preprocess: Callable) -> CachedTask:
         """Task `name`'s cached splits, built (in parallel, with a progress bar) where missing or stale."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from mima.merging.registry import MergeMethod, register
-from mima.merging.tall import pack, unpack
+from mima.merging.tall import pack, reconstruct_masked
 from mima.merging.task_arithmetic import task_vectors_by_key
 
 
@@ -66,19 +66,7 @@ def emr_index(models, base) -> dict[str, torch.Tensor]:
 
 
 def emr_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
-    rescaler = float(index[f"task{task}/rescaler"])
-    model = {}
-    for name in index:
-        if not name.startswith("base/"):
-            continue
-        key = name[len("base/") :]
-        base = index[name]
-        if f"unified/{key}" not in index:
-            model[key] = base.clone()
-            continue
-        mask = unpack(index[f"task{task}/{key}/mask"], base.shape)
-        model[key] = (base.float() + index[f"unified/{key}"] * mask * rescaler).to(base.dtype)
-    return model
+    return reconstruct_masked(index, task, "unified/", float(index[f"task{task}/rescaler"]))
 
 
 register(

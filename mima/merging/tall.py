@@ -47,17 +47,24 @@ def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
 
 
 def tall_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
+    return reconstruct_masked(index, task, "sum/")
+
+
+def reconstruct_masked(index: Mapping[str, torch.Tensor], task: int, vector: str, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """theta_0 + scale * (task's mask * shared vector) for every key of an index of the form
+    base/<key>, <vector><key>, task<t>/<key>/mask (TALL masks; EMR's masks and rescalers); keys
+    without a shared vector are theta_0's."""
     model = {}
     for name in index:
         if not name.startswith("base/"):
             continue
         key = name[len("base/") :]
         base = index[name]
-        if f"sum/{key}" not in index:
+        if f"{vector}{key}" not in index:
             model[key] = base.clone()
             continue
-        mask = unpack(index[f"task{task}/{key}/mask"], base.shape)
-        model[key] = (base.float() + mask * index[f"sum/{key}"]).to(base.dtype)
+        masked = unpack(index[f"task{task}/{key}/mask"], base.shape) * index[f"{vector}{key}"]
+        model[key] = (base.float() + (masked if scale == 1.0 else masked * scale)).to(base.dtype)
     return model
 
 
