@@ -21,7 +21,7 @@ from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.fisher import diagonal_fisher
 from mima.merging.fw_merging import CANDIDATE_INITIAL
-from mima.core.safetensors_io import load_state_dict, save_state_dict
+from mima.core.safetensors_io import load_state_dict
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "mirror"]

@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mima.core.linalg import low_rank
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, check_matrix_keys
