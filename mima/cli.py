@@ -134,7 +134,6 @@ def fit_command(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------- prefetch
 def prefetch_command(argv: Sequence[str]) -> None:
     from mima.prefetch import prefetch
-    from mima.training.run_config import load_run_config
 
     parser = _OneLineParser(
         prog="mima prefetch",
@@ -143,14 +142,26 @@ def prefetch_command(argv: Sequence[str]) -> None:
         "download (into data.root). Run it where there is internet (the login node); the compute nodes then "
         "run offline (HF_HUB_OFFLINE=1).",
     )
+    _add_config_arguments(parser)
+    options = parser.parse_args(argv)
+    config = _config_with_root(options)
+    prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True))
+
+
+def _add_config_arguments(parser) -> None:
+    """--config and --data.root, for commands that act on what a `mima fit` config needs."""
     parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
     parser.add_argument("--data.root", dest="data_root", type=Path,
                         help="the data root, when the config leaves it to the command line (as configs/clip/*.yaml do)")
-    options = parser.parse_args(argv)
+
+
+def _config_with_root(options):
+    from mima.training.run_config import load_run_config
+
     config = load_run_config(options.config)
     if options.data_root is not None:
         config.data.root = str(options.data_root)
-    prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True))
+    return config
 
 
 # ------------------------------------------------------------------------------- demo
@@ -278,7 +289,6 @@ def data_command(argv: Sequence[str]) -> int:
 
 def cache_command(argv: Sequence[str]) -> None:
     from mima.models.clip import default_cache_dir, load_clip
-    from mima.training.run_config import load_run_config
 
     parser = _OneLineParser(
         prog="mima data cache",
@@ -287,13 +297,10 @@ def cache_command(argv: Sequence[str]) -> None:
         "data.cache_dir says (default $MIMA_CACHE_DIR/data). Stale or missing splits are rebuilt, others kept. "
         "`mima fit` with data.cache: true builds what is missing itself.",
     )
-    parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
-    parser.add_argument("--data.root", dest="data_root", type=Path, help="the data root, when the config leaves it out")
+    _add_config_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="decoding processes (default: data.num_workers or up to 4)")
     options = parser.parse_args(argv)
-    config = load_run_config(options.config)
-    if options.data_root is not None:
-        config.data.root = str(options.data_root)
+    config = _config_with_root(options)
     if options.workers is not None:
         if options.workers < 0:
             raise MimaError(f"--workers must be >= 0, got {options.workers}")

@@ -17,6 +17,7 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import HYPERPARAMETERS, get_method
 from mima.merging.iso_cts import subspace_sizes
+from tests.test_merge_strategies import _models as strategy_models
 
 MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 WIDE = "transformer.resblocks.0.mlp.c_proj.weight"
@@ -27,15 +28,8 @@ NEW_METHODS = ("iso_c", "iso_cts", "wudi", "magmax", "model_stock")
 
 
 def _models(count: int, seed: int = 0, shapes=SHAPES):
-    """theta_0 (with an integer tensor) and `count` perturbed copies."""
-    g = torch.Generator().manual_seed(seed)
-    base = {key: torch.randn(shape, generator=g) for key, shape in shapes}
-    base["counter"] = torch.tensor(7)
-    models = [
-        {k: (v + 0.5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone() for k, v in base.items()}
-        for _ in range(count)
-    ]
-    return base, models
+    """theta_0 (with an integer tensor) and `count` perturbed copies (the strategies' own fixture)."""
+    return strategy_models(count, seed, shapes)
 
 
 def _taus(base, models, key) -> list[np.ndarray]:
