@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -198,8 +199,8 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         if not earlier:
             return None
-        aside = self.path / f"{REPLACED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        aside.mkdir()
+        # mkdtemp: unique even for two overwrites within one second by one process (the test suite does that)
+        aside = Path(tempfile.mkdtemp(prefix=f"{REPLACED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.path))
         for path in earlier:
             os.rename(path, aside / path.name)
         return aside
