@@ -16,7 +16,7 @@ from torch.utils.data import Subset
 
 from mima.cli import main
 from mima.data.datamodule import TaskSuiteDataModule
-from mima.data.image_folder import DEFAULT_TEMPLATES, TEST_FRACTION, FolderTask, folder_task_spec
+from mima.data.image_folder import DEFAULT_TEMPLATES, TEST_FRACTION, FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS
 from mima.data.tasks import LoadOptions
 from mima.core.errors import MimaError
@@ -91,7 +91,7 @@ def test_flat_layout_holds_out_test_then_carves_validation_with_fixed_seeds(tmp_
 
 
 def test_classnames_file_and_templates_override_the_defaults(tmp_path):
-    _write(tmp_path / "data", SHADES, 2, _shade, seed=0)
+    _write(tmp_path / "data", SHADES, 4, _shade, seed=0)  # 12 images: test 2, val 1, train 9
     names = tmp_path / "names.txt"
     names.write_text("a bright square\n\na dark square\na grey square\n")
     spec = folder_task_spec(FolderTask("shades", str(tmp_path / "data"), classnames_file=str(names),
@@ -123,7 +123,7 @@ def test_data_module_looks_tasks_up_in_the_suite_and_the_custom_tasks(tmp_path):
     shades = {"name": "shades", "path": str(tmp_path)}  # as a YAML config gives it
     both = TaskSuiteDataModule(suite="digits", custom_tasks=[shades])
     assert both.task_names == [*DEFAULT_TASKS["digits"], "shades"]
-    assert both.hparams.custom_tasks == [{**shades, "classnames_file": None, "templates": None}]
+    assert both.hparams.custom_tasks == [{**shades, "classnames_file": None, "templates": None, "bad_images": "error"}]
     assert TaskSuiteDataModule(suite="digits", tasks=["shades", "rot90"], custom_tasks=[shades]).task_names == ["shades", "rot90"]
     for suite in ("custom", None):
         assert TaskSuiteDataModule(suite=suite, custom_tasks=[FolderTask(**shades)]).task_names == ["shades"]
@@ -219,23 +219,85 @@ def test_a_custom_task_without_images_stops_fit_before_anything_is_written(tmp_p
     assert not (tmp_path / "run").exists()  # so a corrected retry is not told the folder holds a run
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_damaged_image_mid_training_is_one_line_naming_it(tmp_path, small_clip, capsys, workers):
-    from mima.cli import main
-    from tests.conftest import fit_config
-    import yaml
-
+def _damaged_task(tmp_path: Path, per_class: int, damaged: int, suffix: str, damage) -> Path:
+    """A stripes task (split layout) whose first `damaged` training images of the first class are
+    saved as `suffix` and then damaged by `damage(bytes) -> bytes`."""
     task = tmp_path / "stripes"
-    _write(task / "train", STRIPES, 4, _pattern, seed=0)
+    _write(task / "train", STRIPES, per_class, _pattern, seed=0)
     _write(task / "test", STRIPES, 2, _pattern, seed=1)
-    for bad in (task / "train" / STRIPES[0]).glob("*.png"):  # every image of one class: a batch meets one
-        bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(200)))
+    for png in sorted((task / "train" / STRIPES[0]).glob("*.png"))[:damaged]:
+        with Image.open(png) as image:
+            image.load()
+        png.unlink()
+        path = png.with_suffix(suffix)
+        image.save(path)
+        path.write_bytes(damage(path.read_bytes()))
+    return task
+
+
+def _write_fit_config(tmp_path: Path, small_clip: str, task: Path, workers: int = 0, **task_options) -> Path:
+    from tests.conftest import fit_config
+
     config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
-    config["data"] = {"suite": None, "custom_tasks": [{"name": "stripes", "path": str(task)}], "batch_size": 8,
-                      "num_workers": workers}
+    config["data"] = {"suite": None, "custom_tasks": [{"name": "stripes", "path": str(task), **task_options}],
+                      "batch_size": 8, "num_workers": workers}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    assert main(["fit", "--config", str(tmp_path / "c.yaml")]) == 2
-    stderr = capsys.readouterr().err
-    err = [line for line in stderr.strip().splitlines() if line.startswith("mima")]  # Lightning's banner aside
-    assert "Traceback" not in stderr and len(err) == 1, stderr
-    assert f"{task / 'train' / STRIPES[0]}" in err[0] and "not a readable image" in err[0], err
+    return tmp_path / "c.yaml"
+
+
+def _mima_lines(stderr: str) -> list[str]:
+    """Lines mima printed (Lightning's banner aside); never a traceback."""
+    assert "Traceback" not in stderr, stderr
+    return [line for line in stderr.strip().splitlines() if line.startswith(("mima", "data.custom_tasks"))]
+
+
+def _garbage_png(data: bytes) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + bytes(range(200))
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _cut_jpeg_scan(data: bytes) -> bytes:
+    """Headers intact, the entropy-coded scan cut in half: PIL opens and verifies it, decoding fails."""
+    scan = data.index(b"\xff\xda")  # start-of-scan marker
+    return data[: scan + (len(data) - scan) // 2]
+
+
+@pytest.mark.parametrize("damage", [_garbage_png, _half], ids=["garbage", "truncated"])
+def test_an_unreadable_image_stops_fit_before_anything_is_written(tmp_path, small_clip, capsys, damage):
+    task = _damaged_task(tmp_path, per_class=4, damaged=4, suffix=".png", damage=damage)
+    assert main(["fit", "--config", str(_write_fit_config(tmp_path, small_clip, task))]) == 2
+    err = _mima_lines(capsys.readouterr().err)
+    first_bad = sorted((task / "train" / STRIPES[0]).iterdir())[0]
+    assert len(err) == 1 and "4 of 12 image files cannot be opened" in err[0], err
+    assert f"(first: {first_bad}:" in err[0] and "bad_images: skip" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_images_skip_leaves_the_unreadable_files_out(tmp_path, capsys):
+    task = _damaged_task(tmp_path, per_class=12, damaged=3, suffix=".png", damage=_half)
+    data = folder_task_spec(FolderTask(name="stripes", path=str(task), bad_images="skip")).load(LoadOptions(image_size=16))
+    assert "leaving out 3 of 36 image files" in capsys.readouterr().err
+    # 33 readable training images: validation carves int(0.1 * 33) = 3 of them, training keeps 30
+    assert (len(data.train), len(data.val), len(data.test)) == (30, 3, 6)
+    kept = {path for path, _ in data.train.dataset.samples}
+    assert len(kept) == 33 and not any(path.endswith(f"00{i}.png") and STRIPES[0] in path for path in kept for i in range(3))
+
+
+def test_too_few_readable_images_for_the_splits_is_one_line(tmp_path, capsys):
+    task = _damaged_task(tmp_path, per_class=4, damaged=3, suffix=".png", damage=_half)
+    with pytest.raises(MimaError, match=r"9 readable training images .* leave the val split empty \(splits: train 9, val 0, test 6\)"):
+        folder_task_spec(FolderTask(name="stripes", path=str(task), bad_images="skip"))
+    with pytest.raises(MimaError, match="bad_images 'ignore' must be one of error, skip"):
+        as_folder_task({"name": "stripes", "path": str(task), "bad_images": "ignore"})
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_image_that_fails_to_decode_mid_training_is_one_line_naming_it(tmp_path, small_clip, capsys, workers):
+    # a truncated JPEG passes PIL's verify (it checks no JPEG data) and fails only when decoded
+    task = _damaged_task(tmp_path, per_class=4, damaged=4, suffix=".jpg", damage=_cut_jpeg_scan)
+    assert main(["fit", "--config", str(_write_fit_config(tmp_path, small_clip, task, workers=workers))]) == 2
+    err = _mima_lines(capsys.readouterr().err)
+    assert len(err) == 1 and f"{task / 'train' / STRIPES[0]}" in err[0] and "not a readable image" in err[0], err

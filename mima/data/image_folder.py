@@ -9,6 +9,7 @@ A custom task is any folder of class sub-folders, named in a config:
           path: /data/shapes
           classnames_file: null     # optional: one class name per line, in sorted folder order
           templates: null           # optional: prompt templates; default DEFAULT_TEMPLATES
+          bad_images: error         # or skip: leave out (and count) files PIL cannot open
 
 Two layouts are accepted:
   split layout   PATH/train/<class>/*.png  [+ PATH/val/<class>/...]  [+ PATH/test/<class>/...]
@@ -19,6 +20,11 @@ as torchvision's ImageFolder orders them; a class's name is its folder name with
 space, unless `classnames_file` gives the names. Files are read recursively below each class folder.
 
 Relative paths are read from the working directory.
+
+Every image file is opened and verified (PIL's `verify`: the header, and for PNG every chunk's
+checksum) when the config is read, before anything is written; an unreadable file stops the
+command with its name, or with `bad_images: skip` is left out with a count. A file that passes
+`verify` but fails to decode later (a truncated JPEG) still stops training with its name.
 
 Splits (fixed seeds, so every run and every merge sees the same images):
   test  PATH/test, or else a holdout of TEST_FRACTION of the training images;
@@ -35,14 +41,16 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from mima.data.splits import carve_validation, holdout_split
+from mima.data.splits import carve_validation, holdout_split, validation_size
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.core.errors import MimaError
 
@@ -52,6 +60,7 @@ SPLIT_FOLDERS = ("train", "val", "test")
 TEST_FRACTION = 0.2
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 TEST_SPLIT_SEED = 20240607  # + split_seed: the holdout moves with the split seed, as the digits suite does
+BAD_IMAGE_CHOICES = ("error", "skip")
 
 
 @dataclass
@@ -65,12 +74,15 @@ class FolderTask:
             folders (default: the folder names, "_" read as a space).
         templates: prompt templates of the zero-shot head, each with one "{}" for the class name
             (default: DEFAULT_TEMPLATES).
+        bad_images: "error" (default): a file PIL cannot open stops the command, naming it;
+            "skip": such files are left out of the task, and their number is printed.
     """
 
     name: str
     path: str
     classnames_file: str | None = None
     templates: list[str] | None = None
+    bad_images: str = "error"
 
 
 # ------------------------------------------------------------------------- shared image reading
@@ -211,6 +223,8 @@ def as_folder_task(value: FolderTask | Mapping, position: int = 0) -> FolderTask
     if not TASK_NAME.fullmatch(str(task.name)):
         # the name becomes file names (final/<task>.safetensors, cached heads)
         raise MimaError(f"data.custom_tasks[{position}]: name {task.name!r} must be letters, digits and _ . + - (no spaces or '/')")
+    if task.bad_images not in BAD_IMAGE_CHOICES:
+        raise MimaError(f"data.custom_tasks '{task.name}': bad_images {task.bad_images!r} must be one of {', '.join(BAD_IMAGE_CHOICES)}")
     return task
 
 
@@ -272,9 +286,11 @@ def folder_task_spec(task: FolderTask) -> TaskSpec:
     layout = read_layout(task)
     classnames = read_classnames(task, layout.classes)
     templates = check_templates(task)
-    # Listed now, with the config, so that a folder without images stops `mima fit` before it has
-    # built a model or written a run folder (not at the first batch); the listing is then reused.
-    samples = scan_splits(task, layout)
+    # Listed and checked now, with the config, so that a folder without (readable) images, or with
+    # too few for the splits, stops `mima fit` before it has built a model or written a run folder
+    # (not at the first batch); the listing is then reused.
+    samples = {split: readable_samples(task, split, pairs) for split, pairs in scan_splits(task, layout).items()}
+    check_split_sizes(task, layout, samples)
 
     def load(options: LoadOptions) -> TaskData:
         return load_folder_task(task, layout, options, samples)
@@ -288,6 +304,50 @@ def scan_splits(task: FolderTask, layout: FolderLayout) -> dict[str, list[tuple[
     folders = {"train": layout.train, "test": layout.test, "val": layout.val}
     return {split: scan_split(folder, index, f"task '{task.name}' ({split})") for split, folder in folders.items()
             if folder is not None}
+
+
+def image_problem(path: str) -> str | None:
+    """Why PIL cannot open `path` (None when it can): header, format and, for PNG, chunk checksums."""
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def readable_samples(task: FolderTask, split: str, samples: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """`samples` whose files open; an unreadable one is an error, or with `bad_images: skip` left out."""
+    # threads: verify is file reading and checksums, mostly outside the GIL
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        problems = list(pool.map(image_problem, [path for path, _ in samples]))
+    bad = [(path, problem) for (path, _), problem in zip(samples, problems) if problem is not None]
+    if not bad:
+        return samples
+    what = f"data.custom_tasks '{task.name}' ({split})"
+    first = f"{bad[0][0]}: {bad[0][1]}"
+    if task.bad_images != "skip":
+        raise MimaError(f"{what}: {len(bad)} of {len(samples)} image files cannot be opened (first: {first}); "
+                        "remove them or set bad_images: skip")
+    print(f"{what}: leaving out {len(bad)} of {len(samples)} image files that cannot be opened (first: {first})",
+          file=sys.stderr)
+    return [sample for sample, problem in zip(samples, problems) if problem is None]
+
+
+def check_split_sizes(task: FolderTask, layout: FolderLayout, samples: dict[str, list[tuple[str, int]]]) -> None:
+    """Every split gets at least one image (by the same rules `load_folder_task` splits with)."""
+    training = len(samples["train"])
+    test = len(samples["test"]) if "test" in samples else int(round(TEST_FRACTION * training))
+    remaining = training if "test" in samples else training - test
+    val = len(samples["val"]) if "val" in samples else validation_size(remaining)
+    train = remaining if "val" in samples else remaining - val
+    sizes = {"train": train, "val": val, "test": test}
+    empty = [split for split, size in sizes.items() if size < 1]
+    if empty:
+        raise MimaError(
+            f"data.custom_tasks '{task.name}': {training} readable training images under {layout.train} leave the "
+            f"{empty[0]} split empty (splits: {', '.join(f'{k} {v}' for k, v in sizes.items())}); add images"
+        )
 
 
 def load_folder_task(task: FolderTask, layout: FolderLayout, options: LoadOptions,
