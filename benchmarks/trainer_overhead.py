@@ -22,7 +22,19 @@ the first step's allocations are excluded from both); the runs alternate and the
 repeats is reported. Both end with the same final weights (printed: max |difference|), which
 shows that they did the same work.
 
+Inputs (--inputs):
+  loader    (default) both loops read their batches through the DataLoader (per-image decoding and
+            transforms in the loader's workers), as a run without `data.cache` does;
+  resident  the trainer alone: every batch of the run is built once before either loop starts and
+            kept on the device; both loops read these same tensors (mima's data module hands them
+            to Lightning in place of its loader). A third run, `mima fit` with `data.cache: true`
+            (the real run's input path: uint8 batches from the memory-mapped cache, crop and
+            normalisation on the device), is reported against the bare loop on resident inputs:
+            how close to the model's compute limit a real run gets. (Its weights differ: the cached
+            path draws its own crops.)
+
     python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2] [--preset cpu|gpu]
+                                          [--inputs loader|resident]
 """
 
 from __future__ import annotations
@@ -32,13 +44,15 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import yaml
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
@@ -123,34 +137,80 @@ def _average(states: list[dict]) -> dict:
     return average
 
 
-def run_bare(config: dict) -> tuple[float, int, list[dict]]:
-    """MIMA as a plain loop: same model, heads, batches, optimiser and schedule; nothing else."""
-    run_config = load_run_config(config)  # the values (and defaults) `mima fit` uses
-    model_cfg, data_cfg = run_config.model_args(), run_config.data_args()
-    torch.manual_seed(run_config.seed)
-    device = "cuda" if config["trainer"]["accelerator"] == "gpu" else "cpu"
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=config["trainer"].get("precision") == "bf16-mixed")
-    loaded = load_clip(model_cfg["clip"], model_cfg["pretrained"])
-    encoder = loaded.encoder.to(device)
-    data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
-                               seed=data_cfg["seed"])
-    splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
-    heads = task_heads(loaded, model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
-                       default_cache_dir(), data.data_key, model_cfg["probe_shots"])
-    head_list = [heads[name].to(device) for name in data.task_names]
-    plan = PhasePlan(tuple(data.task_names), tuple(range(len(data.task_names))), model_cfg["steps"], model_cfg["iterations"])
-    train_sets = [splits[name].train for name in data.task_names]
-    sampler = PhaseBatchSampler(plan, [len(s) for s in train_sets], data_cfg["batch_size"], data_cfg["seed"], 0, (0, 1))
-    workers = data_cfg.get("num_workers", 0)
-    loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler, num_workers=workers,
-                        persistent_workers=workers > 0)
+class BareSetup:
+    """What the bare loop trains: the encoder, task heads, phase plan and the DataLoader of mima's
+    batches (mima's PhaseBatchSampler over the same datasets and transforms)."""
 
+    def __init__(self, config: dict) -> None:
+        run_config = load_run_config(config)  # the values (and defaults) `mima fit` uses
+        self.model_cfg, data_cfg = run_config.model_args(), run_config.data_args()
+        torch.manual_seed(run_config.seed)
+        self.device = "cuda" if config["trainer"]["accelerator"] == "gpu" else "cpu"
+        self.bf16 = config["trainer"].get("precision") == "bf16-mixed"
+        loaded = load_clip(self.model_cfg["clip"], self.model_cfg["pretrained"])
+        self.encoder = loaded.encoder.to(self.device)
+        data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
+                                   seed=data_cfg["seed"])
+        splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
+        heads = task_heads(loaded, self.model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
+                           default_cache_dir(), data.data_key, self.model_cfg["probe_shots"])
+        self.heads = [heads[name].to(self.device) for name in data.task_names]
+        self.plan = PhasePlan(tuple(data.task_names), tuple(range(len(data.task_names))), self.model_cfg["steps"],
+                              self.model_cfg["iterations"])
+        train_sets = [splits[name].train for name in data.task_names]
+        sampler = PhaseBatchSampler(self.plan, [len(s) for s in train_sets], data_cfg["batch_size"], data_cfg["seed"], 0,
+                                    (0, 1))
+        workers = data_cfg.get("num_workers", 0)
+        self.loader = DataLoader(MultiTaskDataset(train_sets), batch_sampler=sampler, num_workers=workers,
+                                 persistent_workers=workers > 0)
+
+    def resident_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Every batch of the run, read once through the loader and moved to the device."""
+        return [tuple(t.to(self.device) for t in batch) for batch in self.loader]
+
+
+class ResidentBatches(Dataset):
+    """Whole batches already on the device, handed out in order (a DataLoader with batch_size=None)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, ...]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.batches[index]
+
+
+@contextmanager
+def resident_training_data(batches: list[tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """`mima fit` reads `batches` in place of its training DataLoader (a benchmark-only patch of the
+    data module: the rest of the run, its checkpoints and syncs, is untouched)."""
+    original = TaskSuiteDataModule.train_dataloader
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(ResidentBatches(batches), batch_size=None)
+
+    TaskSuiteDataModule.train_dataloader = train_dataloader
+    try:
+        yield
+    finally:
+        TaskSuiteDataModule.train_dataloader = original
+
+
+def run_bare(setup: BareSetup, batches: list | None = None) -> tuple[float, int, list[dict]]:
+    """MIMA as a plain loop: same model, heads, batches, optimiser and schedule; nothing else. With
+    `batches` (resident inputs) it reads those instead of the loader."""
+    model_cfg, plan, encoder, device = setup.model_cfg, setup.plan, setup.encoder, setup.device
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=setup.bf16)
     train_with_frozen_batchnorm(encoder)
     phase_start = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     segment_ends: list[dict] = []
     optimizers: dict[int, torch.optim.Optimizer] = {}  # per task slot: its moments survive phases under "keep"
     start = None
-    for step, (images, labels, _) in enumerate(loader):
+    source = batches if batches is not None else setup.loader
+    steps = 0
+    for step, (images, labels, _) in enumerate(source):
         if step == 1:
             _synchronize()
             start = time.perf_counter()
@@ -167,10 +227,11 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
         for group in optimizer.param_groups:
             group["lr"] = model_cfg["lr"] * factor
         with autocast:
-            loss = F.cross_entropy(classify(encoder, head_list[position.slot], images).float(), labels)
+            loss = F.cross_entropy(classify(encoder, setup.heads[position.slot], images).float(), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        steps = step
         if plan.ends_segment(step):
             segment_ends.append({k: v.detach().clone() for k, v in encoder.state_dict().items()})
             if plan.ends_phase(step):
@@ -178,7 +239,11 @@ def run_bare(config: dict) -> tuple[float, int, list[dict]]:
                 phase_start, segment_ends = _average(segment_ends), []
     _synchronize()
     final = [{k: v.cpu() for k, v in state.items()} for state in final]
-    return time.perf_counter() - start, len(sampler) - 1, final
+    return time.perf_counter() - start, steps, final
+
+
+def _max_difference(first: list[dict], second: list[dict]) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for a, b in zip(first, second) for k in a)
 
 
 def main() -> None:
@@ -189,30 +254,48 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="mima fit's checkpoint_every (default: K, every task segment; 0: no checkpoints, like the bare loop)")
     parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu", help="cpu: offline MobileNetV2; gpu: ViT-B/32 bf16")
+    parser.add_argument("--inputs", choices=("loader", "resident"), default="loader",
+                        help="loader: both loops read through the DataLoader; resident: both read the same batches "
+                             "already on the device (the trainer alone), plus mima fit with data.cache")
     options = parser.parse_args()
     if options.preset == "gpu" and not torch.cuda.is_available():
         parser.error("--preset gpu needs a CUDA device")
     torch.set_num_threads(PRESETS[options.preset].get("threads_per_process", 2))  # as mima fit's threads_per_process
-    rates: dict[str, list[float]] = {"mima": [], "bare": []}
+    resident = options.inputs == "resident"
+    rates: dict[str, list[float]] = {"mima": [], "bare": [], "mima_cached": []}
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(options.repeats):
             timer_file = Path(scratch) / "timer.json"
             config = benchmark_config(options.steps, options.iterations, Path(scratch) / "run", timer_file, options.preset,
                                       options.checkpoint_every)
-            mima_seconds, mima_steps, mima_final = run_mima(config, timer_file)
-            bare_seconds, bare_steps, bare_final = run_bare(config)
+            setup = BareSetup(config)
+            batches = setup.resident_batches() if resident else None
+            if resident:
+                with resident_training_data(batches):
+                    mima_seconds, mima_steps, mima_final = run_mima(config, timer_file)
+            else:
+                mima_seconds, mima_steps, mima_final = run_mima(config, timer_file)
+            bare_seconds, bare_steps, bare_final = run_bare(setup, batches)
             assert mima_steps == bare_steps, (mima_steps, bare_steps)
             rates["mima"].append(mima_steps / mima_seconds)
             rates["bare"].append(bare_steps / bare_seconds)
-            difference = max(
-                (a[k].double() - b[k].double()).abs().max().item() for a, b in zip(mima_final, bare_final) for k in a
-            )
-            print(f"repeat {repeat + 1}: mima {rates['mima'][-1]:.2f} steps/s, bare {rates['bare'][-1]:.2f} steps/s, "
-                  f"{mima_steps} timed steps, final weights max |mima - bare| = {difference:.2e}")
+            line = (f"repeat {repeat + 1}: mima {rates['mima'][-1]:.2f} steps/s, bare {rates['bare'][-1]:.2f} steps/s, "
+                    f"{mima_steps} timed steps, final weights max |mima - bare| = {_max_difference(mima_final, bare_final):.2e}")
+            if resident:
+                config["data"]["cache"] = True
+                cached_seconds, cached_steps, _ = run_mima(config, timer_file)
+                rates["mima_cached"].append(cached_steps / cached_seconds)
+                line += f"; mima fit with data.cache {rates['mima_cached'][-1]:.2f} steps/s"
+            print(line)
     mima_rate, bare_rate = statistics.median(rates["mima"]), statistics.median(rates["bare"])
     batch = config["data"]["batch_size"]
-    print(f"\nmedian steps/s: mima fit {mima_rate:.2f}, bare PyTorch loop {bare_rate:.2f}; "
+    where = "on resident inputs" if resident else "through the DataLoader"
+    print(f"\nmedian steps/s {where}: mima fit {mima_rate:.2f}, bare PyTorch loop {bare_rate:.2f}; "
           f"ratio mima/bare = {mima_rate / bare_rate:.3f}")
+    if resident:
+        cached_rate = statistics.median(rates["mima_cached"])
+        print(f"mima fit with data.cache {cached_rate:.2f} steps/s; ratio to the bare loop on resident inputs = "
+              f"{cached_rate / bare_rate:.3f}")
     print(f"images/s (batch {batch}): mima fit {batch * mima_rate:.0f}, bare {batch * bare_rate:.0f}"
           + (f" on {torch.cuda.get_device_name()}" if options.preset == "gpu" else ""))
 
