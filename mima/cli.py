@@ -19,6 +19,7 @@ as one line on stderr with exit status 2, and leaves no partial output behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from collections.abc import Sequence
@@ -234,8 +235,9 @@ def evaluate_command(argv: Sequence[str]) -> None:
                         "(same merges, selection and models), then rebuild --out from them, replacing it; a stopped "
                         "or requeued evaluation redoes only what is missing")
     options = parser.parse_args(argv)
-    evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
-                  resume=options.resume)
+    with no_empty_folder_left(options.out):
+        evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
+                      resume=options.resume)
 
 
 # ---------------------------------------------------------------------------- convert
@@ -331,7 +333,9 @@ def analyze_command(argv: Sequence[str]) -> None:
     module = importlib.import_module(module_name)
     parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
     module.add_arguments(parser)
-    module.main(parser.parse_args(argv[1:]))
+    options = parser.parse_args(argv[1:])
+    with no_empty_folder_left(getattr(options, "out", None)):
+        module.main(options)
 
 
 # ----------------------------------------------------------------------------- report
@@ -345,7 +349,29 @@ def report_command(argv: Sequence[str]) -> None:
         "the analyses found under analysis/, and links to the checkpoints.",
     )
     add_arguments(parser)
-    main(parser.parse_args(argv))
+    options = parser.parse_args(argv)
+    with no_empty_folder_left(options.out):
+        main(options)
+
+
+@contextlib.contextmanager
+def no_empty_folder_left(folder: Path | None):
+    """A command that fails (a mistake found late, a signal) leaves no empty --out folder behind,
+    nor the empty parents it created for it; a folder that existed before, or holds files, stays."""
+    if folder is None:
+        yield
+        return
+    folder = Path(folder)
+    created = [path for path in (folder, *folder.parents) if not path.exists() and not path.is_symlink()]
+    try:
+        yield
+    except BaseException:
+        for path in created:  # the deepest first
+            try:
+                path.rmdir()  # only an empty folder goes
+            except OSError:
+                break
+        raise
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ between versions. This converter reads the torch zip archive itself with a restr
   * classes and functions from model namespaces (torch.nn, open_clip, task_vectors' src.modeling,
     timm, torchvision transforms) become inert stand-ins that only record their state; nothing
     from those packages is imported or called;
-  * tensors are rebuilt from the archive's storages with torch's own tensor-rebuilding helpers;
+  * tensors are rebuilt from the archive's storages with torch's own tensor-rebuilding helpers,
+    after checking that each view lies inside its storage and holds no more elements than it (a
+    crafted offset or a zero stride must not make torch read or allocate what the file never held);
+  * a storage is read only if its entry is stored uncompressed with the size its record declares,
+    as torch.save writes it; a compressed data.pkl may inflate to at most 64 MiB (a zip bomb of a
+    few hundred KB is refused before it is inflated, naming the entry);
   * any other global (os.system, builtins.eval, subprocess, ...) stops the conversion with an
     error naming it, before anything is called.
 
@@ -29,12 +34,14 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import math
 import os
 import pickle
 import shutil
 import tempfile
 import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -64,6 +71,8 @@ STORAGE_DTYPES = {
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
+# What a compressed archive entry may inflate to (see read_entry); torch.save's entries are stored.
+INFLATE_BUDGET = 64 * 1024 * 1024
 DTYPE_NAMES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
@@ -102,6 +111,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, source: Path) -> None:
         super().__init__(io.BytesIO(data))
         self.archive, self.prefix, self.source = archive, prefix, source
+        self.storages: dict[object, torch.storage.TypedStorage] = {}
         self.stand_ins: dict[tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str):
@@ -150,12 +160,22 @@ class RestrictedUnpickler(pickle.Unpickler):
                 f"{self.source}: a tensor of shape {tuple(size)} needs {last + 1} elements of its storage, which "
                 f"holds {elements} (the file is truncated or crafted)"
             )
+        count = math.prod(size)
+        if count > elements:
+            # a view that repeats its storage (a zero stride): made contiguous for the output it would
+            # take count elements of memory, which a file of a few bytes could make terabytes
+            raise MimaError(
+                f"{self.source}: a tensor of shape {tuple(size)} has {count} elements but its storage holds "
+                f"{elements} (a view that repeats its storage); not converted"
+            )
         return torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, *rest)
 
     def persistent_load(self, saved_id):
         kind, storage_type, key, _location, numel = saved_id
         if kind != "storage" or not isinstance(storage_type, _StorageType):
             raise MimaError(f"{self.source}: unexpected storage record {saved_id!r}")
+        if key in self.storages:  # tensors sharing a storage share it here too (as torch.load does)
+            return self.storages[key]
         member = f"{self.prefix}data/{key}"
         try:
             info = self.archive.getinfo(member)
@@ -166,12 +186,29 @@ class RestrictedUnpickler(pickle.Unpickler):
         # compressed entry could inflate to any size), so the size is checked before reading
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != expected:
             raise MimaError(
-                f"{self.source}: storage {key} is {info.file_size} bytes{' compressed' if info.compress_type != zipfile.ZIP_STORED else ''}, "
-                f"its record says {expected} (not a file torch.save wrote, or damaged)"
+                f"{self.source}: storage {key} (entry '{member}') is {info.file_size} bytes"
+                f"{' compressed' if info.compress_type != zipfile.ZIP_STORED else ''}, its record says {expected} "
+                "(not a file torch.save wrote, or damaged)"
             )
-        raw = self.archive.read(member)
+        raw = read_entry(self.archive, info, self.source)
         untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8) if raw else torch.UntypedStorage(0)
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=storage_type.dtype, _internal=True)
+        self.storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=storage_type.dtype, _internal=True)
+        return self.storages[key]
+
+
+def read_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: Path) -> bytes:
+    """An archive entry's bytes, within the inflation budget.
+
+    A stored entry is at most the file's own size. A compressed one could inflate to any size (a
+    zip bomb: a few hundred KB that inflate to gigabytes), so it is read only if the size it
+    declares is within INFLATE_BUDGET; zipfile stops at the declared size (and then fails its
+    CRC check) if the entry inflates to more."""
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > INFLATE_BUDGET:
+        raise MimaError(
+            f"{source}: entry '{info.filename}' inflates to {info.file_size} bytes, past the budget of "
+            f"{INFLATE_BUDGET} bytes for a compressed entry (torch.save compresses nothing; a zip bomb?)"
+        )
+    return archive.read(info)
 
 
 def load_restricted(path: Path) -> object:
@@ -186,11 +223,12 @@ def load_restricted(path: Path) -> object:
             raise MimaError(f"{path}: not a torch checkpoint (no single data.pkl in the archive)")
         prefix = pickles[0][: -len("data.pkl")]
         try:
-            return RestrictedUnpickler(archive.read(pickles[0]), archive, prefix, path).load()
+            program = read_entry(archive, archive.getinfo(pickles[0]), path)
+            return RestrictedUnpickler(program, archive, prefix, path).load()
         except MimaError:
             raise
-        except (pickle.UnpicklingError, EOFError, KeyError, ValueError) as exc:
-            raise MimaError(f"{path}: could not be read as a model checkpoint ({exc})") from None
+        except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile, zlib.error) as exc:
+            raise MimaError(f"{path}: could not be read as a model checkpoint ({' '.join(str(exc).split())})") from None
 
 
 def module_state_dict(obj: object, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -10,19 +10,28 @@ model and data) the merge is also evaluated on each task's test split and a resu
 written next to the output (OUTPUT.results.json and .md); `--select-on val` chooses the
 hyperparameters on the validation splits first. Data-free merges without selection stream tensor by
 tensor; the others hold the models in memory.
+
+An input tensor holding NaN or Inf is refused, naming the file and the tensor, and so is a merged
+tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
+strategies that decompose matrices still cannot, which is one line too). The output is never one of
+the inputs (under any name), a folder, or left half written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import MERGE_METHODS, get_method
+from mima.merging.cart import check_matrix_keys
 from mima.merging.engine import expand_models, merge_to_file, open_inputs, write_state_dict
 from mima.merging.registry import HYPERPARAMETERS, Hyperparameter, MergeMethod
 from mima.merging.selection import Selection, merge_with_defaults, select_on_validation
@@ -50,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a mima fit config or run folder: the tasks' model and data")
     parser.add_argument("--select-on", choices=("val",), help="choose hyperparameters on the validation splits")
     parser.add_argument("--overwrite", action="store_true", help="replace --output (and its results) if they exist")
+    parser.add_argument("--allow-non-finite", action="store_true",
+                        help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
+                        "error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge --lam)")
     hyper = parser.add_argument_group("hyperparameters (one flag per declaration in mima.merging.registry; "
                                       "each method takes some, see its docstring)")
     for spec in HYPERPARAMETERS.values():
@@ -70,6 +82,8 @@ def given_hyperparameters(options, method: MergeMethod) -> dict[str, object]:
 def run_merge(options) -> None:
     method = get_method(options.method)
     given = given_hyperparameters(options, method)
+    if options.output.is_dir():  # before any work: no --overwrite replaces a folder by a file
+        raise MimaError(f"{options.output}: is a folder; give a file name to write")
     if not options.overwrite:
         refuse_overwrite([options.output, *results_paths(options.output)])
     model_paths, run_tasks, run_base = expand_models(options.models)
@@ -86,8 +100,10 @@ def run_merge(options) -> None:
 
         pool = task_pool(config)
 
-    with open_inputs(options.models, base_path) as inputs:
+    allow = options.allow_non_finite
+    with open_inputs(options.models, base_path, allow_non_finite=allow) as inputs, non_finite_refusal(method, allow):
         check_model_count(method, given, len(inputs.models))
+        check_matrix_keys_match(method, given, inputs.models[0])
         if pool is not None and len(inputs.models) != len(pool.tasks):
             raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
         metadata = {"method": method.name, "models": [str(p) for p in inputs.paths[-len(inputs.models):]],
@@ -95,7 +111,8 @@ def run_merge(options) -> None:
         streamable = not method.needs_data and not method.per_task and not options.select_on
         if streamable:
             hparams = method.hyperparameters(given)
-            merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(hparams)}, options.overwrite)
+            merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(hparams)}, options.overwrite,
+                          allow_non_finite=allow)
             selection = Selection(method.name, hparams, None)
         else:
             models = [dict(view.items()) for view in inputs.models]
@@ -105,7 +122,7 @@ def run_merge(options) -> None:
             meta = {**metadata, "hparams": printable(selection.hparams)}
             if method.per_task:
                 meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
-            write_state_dict(options.output, selection.merged, order, meta, options.overwrite)
+            write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
     if pool is not None:
         report_results(options.output, method, selection, pool)
     print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'}) -> {options.output}")
@@ -146,6 +163,28 @@ def check_model_count(method: MergeMethod, given: dict, count: int) -> None:
     min_tasks = given.get("min_tasks", method.defaults.get("min_tasks"))
     if isinstance(min_tasks, int) and min_tasks > count:
         raise MimaError(f"--min-tasks {min_tasks}: more than the {count} models given (each entry can be chosen by at most {count} tasks)")
+
+
+def check_matrix_keys_match(method: MergeMethod, given: dict, model) -> None:
+    """A --matrix-keys pattern that selects no 2-D floating tensor would quietly turn a low-rank merge
+    (CART, TSV, Iso-C, ...) into a plain average of task vectors; it is an error for every method
+    that takes it, found from the headers alone (CART's own check, with CART's words)."""
+    if "matrix_keys" in given:
+        check_matrix_keys(method.name, [model], given["matrix_keys"])
+
+
+@contextlib.contextmanager
+def non_finite_refusal(method: MergeMethod, allowed: bool):
+    """With --allow-non-finite, NaN or Inf reach the strategy: those that decompose matrices (SVD,
+    eigen-decompositions) cannot take them, which is one line, not a LinAlgError traceback."""
+    try:
+        yield
+    except torch.linalg.LinAlgError as error:
+        if not allowed:
+            raise
+        reason = str(error).strip().splitlines()[0]
+        raise MimaError(f"{method.name}: cannot merge weights holding NaN or Inf, which --allow-non-finite let through "
+                        f"({reason})") from None
 
 
 def results_paths(output: Path) -> tuple[Path, Path]:

@@ -267,6 +267,8 @@ def build_page(folder: Path, at: Path) -> Page:
 
 def write_report(folder: Path, out: Path | None = None, overwrite: bool = False) -> list[Path]:
     folder = Path(folder)
+    if folder.is_file():
+        raise MimaError(f"{folder}: a file, not a folder (give a `mima fit` run folder or a sweep folder)")
     if not folder.is_dir():
         raise MimaError(f"{folder}: no such folder")
     out = Path(out) if out is not None else folder

@@ -203,22 +203,6 @@ def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     assert 0.0 <= report["mean"] <= 1.0
 
 
-def test_a_custom_task_without_images_stops_fit_before_anything_is_written(tmp_path, small_clip, capsys):
-    from mima.cli import main
-    from tests.conftest import fit_config
-    import yaml
-
-    for name in ("circle", "square"):
-        (tmp_path / "empty" / name).mkdir(parents=True)
-    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
-    config["data"] = {"suite": None, "custom_tasks": [{"name": "empty", "path": str(tmp_path / "empty")}], "batch_size": 4}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    assert main(["fit", "--config", str(tmp_path / "c.yaml")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "task 'empty' (train): no image files" in err[0], err
-    assert not (tmp_path / "run").exists()  # so a corrected retry is not told the folder holds a run
-
-
 def _damaged_task(tmp_path: Path, per_class: int, damaged: int, suffix: str, damage) -> Path:
     """A stripes task (split layout) whose first `damaged` training images of the first class are
     saved as `suffix` and then damaged by `damage(bytes) -> bytes`."""
@@ -245,12 +229,6 @@ def _write_fit_config(tmp_path: Path, small_clip: str, task: Path, workers: int 
     return tmp_path / "c.yaml"
 
 
-def _mima_lines(stderr: str) -> list[str]:
-    """Lines mima printed (Lightning's banner aside); never a traceback."""
-    assert "Traceback" not in stderr, stderr
-    return [line for line in stderr.strip().splitlines() if line.startswith(("mima", "data.custom_tasks"))]
-
-
 def _garbage_png(data: bytes) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + bytes(range(200))
 
@@ -265,39 +243,13 @@ def _cut_jpeg_scan(data: bytes) -> bytes:
     return data[: scan + (len(data) - scan) // 2]
 
 
-@pytest.mark.parametrize("damage", [_garbage_png, _half], ids=["garbage", "truncated"])
-def test_an_unreadable_image_stops_fit_before_anything_is_written(tmp_path, small_clip, capsys, damage):
-    task = _damaged_task(tmp_path, per_class=4, damaged=4, suffix=".png", damage=damage)
-    assert main(["fit", "--config", str(_write_fit_config(tmp_path, small_clip, task))]) == 2
-    err = _mima_lines(capsys.readouterr().err)
-    first_bad = sorted((task / "train" / STRIPES[0]).iterdir())[0]
-    assert len(err) == 1 and "4 of 12 image files cannot be opened" in err[0], err
-    assert f"(first: {first_bad}:" in err[0] and "bad_images: skip" in err[0], err
-    assert not (tmp_path / "run").exists()
-
-
 def test_bad_images_skip_leaves_the_unreadable_files_out(tmp_path, capsys):
     task = _damaged_task(tmp_path, per_class=12, damaged=3, suffix=".png", damage=_half)
     data = folder_task_spec(FolderTask(name="stripes", path=str(task), bad_images="skip")).load(LoadOptions(image_size=16))
     assert "leaving out 3 of 36 image files" in capsys.readouterr().err
     # 33 readable training images: validation carves int(0.1 * 33) = 3 of them, training keeps 30
     assert (len(data.train), len(data.val), len(data.test)) == (30, 3, 6)
-    kept = {path for path, _ in data.train.dataset.samples}
-    assert len(kept) == 33 and not any(path.endswith(f"00{i}.png") and STRIPES[0] in path for path in kept for i in range(3))
-
-
-def test_too_few_readable_images_for_the_splits_is_one_line(tmp_path, capsys):
-    task = _damaged_task(tmp_path, per_class=4, damaged=3, suffix=".png", damage=_half)
-    with pytest.raises(MimaError, match=r"9 readable training images .* leave the val split empty \(splits: train 9, val 0, test 6\)"):
-        folder_task_spec(FolderTask(name="stripes", path=str(task), bad_images="skip"))
     with pytest.raises(MimaError, match="bad_images 'ignore' must be one of error, skip"):
         as_folder_task({"name": "stripes", "path": str(task), "bad_images": "ignore"})
-
-
-@pytest.mark.parametrize("workers", [0, 1])
-def test_an_image_that_fails_to_decode_mid_training_is_one_line_naming_it(tmp_path, small_clip, capsys, workers):
-    # a truncated JPEG passes PIL's verify (it checks no JPEG data) and fails only when decoded
-    task = _damaged_task(tmp_path, per_class=4, damaged=4, suffix=".jpg", damage=_cut_jpeg_scan)
-    assert main(["fit", "--config", str(_write_fit_config(tmp_path, small_clip, task, workers=workers))]) == 2
-    err = _mima_lines(capsys.readouterr().err)
-    assert len(err) == 1 and f"{task / 'train' / STRIPES[0]}" in err[0] and "not a readable image" in err[0], err
+    kept = {path for path, _ in data.train.dataset.samples}
+    assert len(kept) == 33 and not any(path.endswith(f"00{i}.png") and STRIPES[0] in path for path in kept for i in range(3))

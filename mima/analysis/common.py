@@ -26,17 +26,19 @@ def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def output_folder(out: Path | None, source: RunFolder | SweepFolder | None, name: str, files: Sequence[str],
-                  overwrite: bool) -> Path:
+                  overwrite: bool, create: bool = True) -> Path:
     """Resolve --out (default: the analysis folder of `source`, a run or sweep folder, else
     analysis/<name> in the working directory) and refuse to replace earlier outputs unless
-    --overwrite; create the folder."""
+    --overwrite; create the folder (with `create=False` the caller creates it once every check of its
+    inputs has passed, so that a mistake found late leaves no empty folder behind)."""
     if out is not None:
         folder = Path(out)
     else:
         folder = (source if source is not None else RunFolder(Path())).analysis_dir(name)
     if not overwrite:
         refuse_overwrite([folder / file for file in files], what=f"--out {folder}", hint="pass --overwrite")
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 

@@ -27,6 +27,8 @@ def refuse_overwrite(paths: Iterable[str | os.PathLike], what: str | None = None
     if not existing:
         return
     if what is None:
+        if existing[0].is_dir():  # no --overwrite replaces a folder by a file: say what is wrong
+            raise MimaError(f"{existing[0]}: is a folder; give a file name to write")
         raise MimaError(f"{existing[0]}: already exists ({hint} to replace it)")
     names = ", ".join(path.name for path in existing)
     raise MimaError(f"{what}: already holds {names}; {hint} or choose another")
@@ -142,8 +144,14 @@ def read_json(path: str | os.PathLike, expect: type = dict) -> object:
 def read_json_lines(path: str | os.PathLike) -> list[dict]:
     """A JSON-lines file of objects (metrics.jsonl), one line naming the file and line if damaged."""
     path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MimaError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise MimaError(f"{path}: not JSON lines (not a text file)") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

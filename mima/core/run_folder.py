@@ -140,6 +140,10 @@ class RunFolder:
             loaded = yaml.safe_load(self.config_file.read_text())
         except yaml.YAMLError as exc:
             raise MimaError(f"{self.config_file}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        except UnicodeDecodeError:
+            raise MimaError(f"{self.config_file}: not valid YAML (not a text file)") from None
+        except OSError as exc:
+            raise MimaError(f"{self.config_file}: cannot be read ({exc.strerror or exc})") from None
         if not isinstance(loaded, dict):
             raise MimaError(f"{self.config_file}: expected a mapping with model:, data:, trainer: sections")
         return loaded

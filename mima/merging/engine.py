@@ -29,15 +29,18 @@ from mima.core.state_dicts import check_compatible
 class OrderedView(Mapping[str, torch.Tensor]):
     """A reader seen through a fixed key order (so every input iterates alike)."""
 
-    def __init__(self, reader: SafetensorsReader, order: Sequence[str], path: Path | None = None) -> None:
+    def __init__(self, reader: SafetensorsReader, order: Sequence[str], path: Path | None = None,
+                 allow_non_finite: bool = False) -> None:
         self.reader, self.order, self.path = reader, list(order), path
+        self.allow_non_finite = allow_non_finite
         self.infos: dict[str, TensorInfo] = {key: reader.infos[key] for key in self.order}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         tensor = self.reader[key]
         # a NaN or Inf in one input silently poisons every merge of it (sums, signs, SVDs)
-        if not all_finite(tensor):
-            raise MimaError(f"{self.path or 'an input'}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights")
+        if not self.allow_non_finite and not all_finite(tensor):
+            raise MimaError(f"{self.path or 'an input'}: tensor '{key}' holds NaN or Inf values; a merge needs finite "
+                            "weights (--allow-non-finite merges them as they are)")
         return tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -68,7 +71,9 @@ def expand_models(paths: Sequence[Path]) -> tuple[list[Path], list[str] | None, 
 
 
 @contextlib.contextmanager
-def open_inputs(model_paths: Sequence[Path], base_path: Path | None) -> Iterator[MergeInputs]:
+def open_inputs(model_paths: Sequence[Path], base_path: Path | None, allow_non_finite: bool = False) -> Iterator[MergeInputs]:
+    """The inputs, checked against each other from their headers; with `allow_non_finite` their NaN
+    and Inf values are handed to the strategy instead of refused."""
     models, tasks, run_base = expand_models(model_paths)
     base_path = base_path if base_path is not None else run_base
     paths = ([base_path] if base_path is not None else []) + models
@@ -78,7 +83,7 @@ def open_inputs(model_paths: Sequence[Path], base_path: Path | None) -> Iterator
         readers = [stack.enter_context(SafetensorsReader(path)) for path in paths]
         check_compatible({str(path): reader.infos for path, reader in zip(paths, readers)})
         order = list(readers[0].infos)
-        views = [OrderedView(reader, order, path) for reader, path in zip(readers, paths)]
+        views = [OrderedView(reader, order, path, allow_non_finite) for reader, path in zip(readers, paths)]
         base = views[0] if base_path is not None else None
         yield MergeInputs(base, views[1:] if base_path is not None else views, tasks, paths)
 
@@ -90,22 +95,26 @@ def merge_to_file(
     hparams: Mapping[str, object],
     metadata: Mapping[str, object],
     overwrite: bool = False,
+    allow_non_finite: bool = False,
 ) -> None:
-    """Stream `method`'s merge of `inputs` into `output` (atomically)."""
+    """Stream `method`'s merge of `inputs` into `output` (atomically); a merged tensor holding NaN or
+    Inf is an error unless `allow_non_finite`."""
     reference = inputs.base if inputs.base is not None else inputs.models[0]
     specs = [(key, info.shape, info.dtype) for key, info in reference.infos.items()]
     stream = method.stream(inputs.models, inputs.base, **hparams)  # checks before the file is opened
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer:
         for key, tensor in stream:
-            writer.write(key, check_finite_output(method.name, key, tensor))
+            writer.write(key, tensor if allow_non_finite else check_finite_output(method.name, key, tensor))
 
 
-def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Sequence[str], metadata, overwrite=False) -> None:
+def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Sequence[str], metadata, overwrite=False,
+                     allow_non_finite: bool = False) -> None:
     """Write an in-memory merge (data-dependent strategies) in the inputs' key order."""
     specs = [(key, state[key].shape, state[key].dtype) for key in order]
+    method = str(metadata.get("method", "the merge"))
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer:
         for key in order:
-            writer.write(key, check_finite_output(str(metadata.get("method", "the merge")), key, state[key]))
+            writer.write(key, state[key] if allow_non_finite else check_finite_output(method, key, state[key]))
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -11,7 +11,9 @@ with a collective at every step. They agree through the rendezvous store instead
   * A process that reaches the sync of phase p registers its arrival and waits until either every
     process has arrived (it then claims "go" and enters the averaging collective) or the decision
     is "stop" (it saves its state, sync still pending, and stops).
-  * Every process also reads the decision of its current phase at each step boundary.
+  * Every process also reads the decision of its current phase at step boundaries, at most every
+    LOOK_EVERY_S seconds (a store round trip at every step would cost each step, and load the
+    store's host with every process's queries); its own signal and the STOP file it sees at once.
 Whichever claim comes first wins, so either every process enters the sync of phase p or none
 does; every process stops inside the same phase, and their saved states form a consistent cut
 (mima.training.checkpointing resumes each process from its own). Replicas of one task (W > T)
@@ -35,6 +37,7 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 GO = b"go"
 FAILED = "mima/failed"
 POLL_S = 0.002
+LOOK_EVERY_S = 0.5  # how often a process asks the store whether another one has claimed "stop"
 
 _received: list[int] = []  # signals this process has seen and not yet acted on
 
@@ -76,6 +79,7 @@ class StopAgreement:
         self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
         self.stopped_by: int | None = None  # signal number that stopped the run; 0: the STOP file
         self.waits: list[float] = []  # seconds this process waited at each sync for the others
+        self._next_look = 0.0  # time.monotonic() from which at_step asks the store again
 
     def install(self) -> None:
         """Take over SIGUSR1 and SIGTERM: from now on they only request a stop."""
@@ -114,8 +118,11 @@ class StopAgreement:
         if not self.enabled:
             return False
         requested = self._requested()
-        # a claim cannot come back "go": this process has not arrived at the phase's sync
-        decision = self._claim(phase, _stop_value(requested)) if requested is not None else self._decided(phase)
+        if requested is not None:
+            # a claim cannot come back "go": this process has not arrived at the phase's sync
+            decision = self._claim(phase, _stop_value(requested))
+        else:
+            decision = self._decided(phase) if self._look_now() else None
         signum = _signal_of(decision) if decision is not None else None
         if self.task_group is not None:  # replicas stop together (-1: no stop)
             flag = torch.tensor([-1 if signum is None else signum], device=self.device)
@@ -123,6 +130,14 @@ class StopAgreement:
             signum = None if int(flag.item()) < 0 else int(flag.item())
         self.stopped_by = signum
         return signum is not None
+
+    def _look_now(self) -> bool:
+        """True at most every LOOK_EVERY_S: time to read another process's claim from the store."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + LOOK_EVERY_S
+        return True
 
     def at_sync(self, phase: int) -> bool:
         """At the sync ending `phase`: True to enter it, False if the run stops before it."""

@@ -96,6 +96,10 @@ def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfi
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise MimaError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError:
+        raise MimaError(f"--config {path}: not valid YAML (not a text file)") from None
+    except OSError as exc:
+        raise MimaError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(raw, Mapping):
         raise MimaError(f"--config {path}: expected a mapping with model:, data:, trainer: sections")
     return parse_run_config(raw, f"--config {path}")

@@ -35,6 +35,8 @@ def run_folders(paths: Sequence[Path]) -> list[Path]:
     """Run folders; a sweep folder (`mima demo`, benchmarks/offline_suite.py) stands for its runs."""
     runs: list[Path] = []
     for path in paths:
+        if path.is_file():
+            raise MimaError(f"{path}: a file, not a folder (expected a `mima fit` run folder or a sweep folder)")
         if not path.is_dir():
             raise MimaError(f"{path}: no such folder (expected a `mima fit` run folder or a sweep folder)")
         run, sweep = RunFolder(path), SweepFolder(path)

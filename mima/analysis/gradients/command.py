@@ -79,6 +79,17 @@ def _source(run: Path) -> tuple[RunFolder | None, Path | None]:
     return None, None
 
 
+def _run_config(run: Path):
+    """The run's configuration; a config file given as RUN is named RUN in messages, not --config
+    (the wording of mima.training.run_config.load_run_config, which this command has no flag for)."""
+    from mima.training.run_config import load_run_config
+
+    try:
+        return load_run_config(run)
+    except MimaError as error:
+        raise MimaError(str(error).replace(f"--config {run}", f"RUN {run}", 1)) from None
+
+
 def _choose_tasks(available: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
     if not wanted:
         return list(available)
@@ -124,7 +135,7 @@ def main(options: argparse.Namespace) -> None:
     started = time.perf_counter()
     settings = settings_from_options(options)
     run, pretrained = _source(options.run)
-    pool = task_pool(options.run)
+    pool = task_pool(_run_config(options.run))
     tasks = _choose_tasks(pool.tasks, options.tasks)
     theta_0 = _theta_0(pool, pretrained)
     # After every check that can fail on the inputs, so that a mistake leaves no empty folder behind.

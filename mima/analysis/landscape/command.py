@@ -76,11 +76,12 @@ def main(options: argparse.Namespace) -> None:
     for task in pair:
         if task not in models.tasks:
             raise MimaError(f"--tasks {task}: not among the models' tasks ({', '.join(models.tasks)})")
-    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite)
+    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite, create=False)
     pool = models.task_pool()
     for task in pair:
         if task not in pool.heads:
             raise MimaError(f"--tasks {task}: the config {models.config} defines no task of that name ({', '.join(pool.tasks)})")
+    folder.mkdir(parents=True, exist_ok=True)  # only now: a mistake above leaves no empty folder behind
     if torch.cuda.is_available():
         pool.encoder.to("cuda")  # evaluation only; the geometry stays on the CPU in float64
     errors, counts = error_function(pool, pair, options.examples)
