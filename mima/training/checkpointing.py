@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities import rank_zero_info
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -469,5 +468,7 @@ def _completed_syncs(pl_module) -> int:
 
 
 def log_resume(notes: list[str]) -> None:
+    """What the resume skipped and why, on stdout beside the "resuming from" line (printed, not logged:
+    a user must see which file was passed over, whatever the logging configuration)."""
     for note in notes:
-        rank_zero_info(f"mima fit: {note}")
+        print(f"mima fit: {note}", flush=True)
