@@ -25,7 +25,7 @@ from pathlib import Path
 from mima.core.errors import MimaError
 from mima.merging import MERGE_METHODS
 from mima.sweep import run_sweep
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

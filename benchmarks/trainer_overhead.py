@@ -63,7 +63,7 @@ from mima.models.heads import task_heads
 from mima.core.run_folder import RunFolder
 from mima.training.lr_schedule import lr_factor
 from mima.core.plan import PhasePlan
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 from mima.training.trainer import run_fit
 
 ROOT = Path(__file__).resolve().parents[1]

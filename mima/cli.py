@@ -157,7 +157,7 @@ def _add_config_arguments(parser) -> None:
 
 
 def _config_with_root(options):
-    from mima.training.run_config import load_run_config
+    from mima.config.run_config import load_run_config
 
     config = load_run_config(options.config)
     if options.data_root is not None:

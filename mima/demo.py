@@ -19,7 +19,7 @@ from pathlib import Path
 from mima.core.errors import MimaError
 from mima.evaluation.report import ModelResult
 from mima.sweep import run_sweep
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_ITERATIONS = (1, 2, 4, 8)

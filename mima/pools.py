@@ -5,7 +5,7 @@ are given (FusionBench's separation of merge method, model pool and task pool).
   are defined (a run folder or a `mima fit` config). Built from one run folder or from files.
 - TaskPool: the tasks a merge is judged on: the run's image encoder (for forward passes with other
   weights), each task's frozen head and data splits. Built from the run's configuration
-  (mima.training.run_config), so it uses exactly the model, pretrained weights, heads and tasks
+  (mima.config.run_config), so it uses exactly the model, pretrained weights, heads and tasks
   `mima fit` used.
 
 Merge strategies only see a TaskPool through the methods they call on it (tasks, examples, logits,
@@ -34,7 +34,7 @@ from mima.merging.engine import expand_models
 from mima.models.classifier import classify
 from mima.models.clip import default_cache_dir, load_clip
 from mima.models.heads import task_heads
-from mima.training.run_config import RunConfig, load_run_config
+from mima.config.run_config import RunConfig, load_run_config
 
 StateDict = dict[str, torch.Tensor]
 

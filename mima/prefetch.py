@@ -34,7 +34,7 @@ from mima.models.clip import (
     fetch_pretrained,
     offline,
 )
-from mima.training.run_config import RunConfig, load_run_config
+from mima.config.run_config import RunConfig, load_run_config
 
 
 def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] = print) -> list[str]:

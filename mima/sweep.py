@@ -27,7 +27,7 @@ from mima.merging.selection import merge_with_defaults, select_on_validation
 from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.core.plan import check_budget
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 from mima.training.trainer import run_fit
 
 

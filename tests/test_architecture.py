@@ -1,6 +1,6 @@
 """The import rules of the package, read from the source (every `import`, also inside functions).
 
-    core  <-  data  <-  models  <-  training            (one direction: a lower layer never imports a higher one)
+    core  <-  data  <-  config  <-  models  <-  training  (one direction: a lower layer never imports a higher one)
     core  <-  merging                                   (strategies and the streaming engine: core only)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
@@ -26,20 +26,22 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mima"
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "data": {"core"},
-    "models": {"core", "data"},
-    "training": {"core", "data", "models"},
+    "config": {"core", "data"},  # the run configuration: read by every command, imports no Lightning
+    "models": {"core", "data", "config"},
+    "training": {"core", "data", "config", "models"},
     "merging": {"core"},
-    "evaluation": {"core", "data", "models"},
-    "pools": {"core", "data", "models", "training", "merging", "evaluation"},
-    "analysis": {"core", "data", "models", "training", "merging", "evaluation", "pools"},
-    "commands": {"core", "data", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
-    "cli": {"core", "data", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
+    "evaluation": {"core", "data", "config", "models"},
+    "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},
+    "analysis": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools"},
+    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
+    "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
     "package": set(),  # mima/__init__.py
 }
 # third-party packages a layer must not import (the core and the merge engine stay light)
 FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "core": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "merging": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
+    "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
 COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.convert", "mima.prefetch"}
@@ -163,7 +165,7 @@ def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
 
 
 # `mima fit`'s builder reads the task count to size the strategy before anything is fitted
-BUILDERS = {"mima.training.trainer", "mima.training.run_config"}
+BUILDERS = {"mima.training.trainer", "mima.config.run_config"}
 
 
 def cross_reads(sources: dict[str, str]) -> list[str]:

@@ -20,7 +20,7 @@ from mima.cli import main
 from mima.core.errors import MimaError
 from mima.models.clip import cached_pretrained_file, fetch_pretrained, load_clip
 from mima.prefetch import prefetch
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENAI_B32_REPO = "timm/vit_base_patch32_clip_224.openai"  # open_clip's hf_hub of ViT-B-32 / openai

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from mima.core.run_folder import RunFolder
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.pools import model_pool
 from mima.training.module import MimaModule
-from mima.training.run_config import load_run_config
+from mima.config.run_config import load_run_config
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 
@@ -107,3 +109,20 @@ def test_a_config_without_pretrained_gives_the_same_model_everywhere(tmp_path, s
     theta_0 = run.pretrained()
     for key, value in analysis_pool.encoder.state_dict().items():
         assert torch.equal(value, theta_0[key]), key
+
+
+def test_reading_a_run_config_imports_neither_lightning_nor_the_training_layer():
+    """Merges, evaluation, reports and analyses read run configs: that must not pull in the trainer."""
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    script = (
+        "import sys; from mima.config.run_config import load_run_config; "
+        f"config = load_run_config({str(demo)!r}); "
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric') "
+        "or m.startswith('mima.training')); "
+        "print('LOADED', loaded); print('STEPS', config.model.steps, 'N', config.model.iterations)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stdout, result.stdout
+    written = yaml.safe_load(demo.read_text())["model"]
+    assert f"STEPS {written['steps']} N {written['iterations']}" in result.stdout  # the file's own values

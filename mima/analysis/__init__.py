@@ -5,7 +5,7 @@ Each analysis is a package of three modules:
               matplotlib, no argument parsing, no printing);
   plot.py     its figures (matplotlib only, through mima.analysis.figures);
   command.py  its `mima analyze NAME` subcommand: `add_arguments(parser)` / `main(options)` parse the
-              options, load models and tasks (mima.pools, mima.training.run_config, RunFolder), write
+              options, load models and tasks (mima.pools, mima.config.run_config, RunFolder), write
               the JSON and the PNGs and print a summary.
 The command line finds the commands through ANALYSES; outputs go to `--out`, by default the run
 folder's analysis folder for NAME (RunFolder.analysis_dir), which `mima report` picks up.

@@ -8,7 +8,7 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
                                 a joint multi-task run (model.mode: joint) has final/joint.safetensors
     metrics.jsonl               one JSON object per phase: phase, step, mean_cos_tau, cos_tau, loss, ...
     checkpoints/                per-process resumable checkpoints while the run is under way (layout:
-                                mima.training.checkpointing); removed when it finishes (--keep_checkpoints)
+                                mima.training.checkpoint_callback); removed when it finishes (--keep_checkpoints)
     STOP                        `touch RUN/STOP` asks a running job to save its state and stop
     logs/                       Lightning's CSV logger
     analysis/<name>/            outputs of `mima analyze <name>`
@@ -133,7 +133,7 @@ class RunFolder:
 
     # ----------------------------------------------------------------------------- read
     def config_dict(self) -> dict:
-        """config.yaml as plain YAML (typed loading: mima.training.run_config.load_run_config)."""
+        """config.yaml as plain YAML (typed loading: mima.config.run_config.load_run_config)."""
         if not self.config_file.is_file():
             raise MimaError(f"{self.path}: no config.yaml (is this a `mima fit` run folder?)")
         try:

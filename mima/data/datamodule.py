@@ -12,11 +12,13 @@ from torch.utils.data import DataLoader
 
 from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan
+from mima.core.settings import takes_settings
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.cache import (BatchPreparer, CachedTask, CachedTrainingSet, whole_batch, crop_settings,
                              default_data_cache_dir, eval_geometry, load_cached_task)
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
+from mima.data.settings import DataSettings
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
 from mima.data.sampler import JointBatchSampler, MultiTaskDataset, PhaseBatchSampler
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
@@ -73,57 +75,22 @@ class ProcessTasks:
         return [spec.name for spec in self.specs]
 
 
+@takes_settings(DataSettings)
 class TaskSuiteDataModule(L.LightningDataModule):
     """Tasks of one suite. Training batches follow the LightningModule's PhasePlan (one task per batch).
 
-    Args:
-        suite: task suite name (see `mima.data.registry.SUITES`); `custom` or null for a run of
-            custom tasks only.
-        tasks: task names in run order, from the suite and the custom tasks; None takes the
-            suite's default list followed by every custom task.
-        root: data root for suites read from disk (unused by the embedded `digits` suite).
-        batch_size: training batch size per task (split evenly over a task's replicas); with
-            `trainer.accumulate_grad_batches: a` it is the micro-batch, and each optimiser step sees
-            a x batch_size examples of its task (exactly the batch of a run with a x batch_size).
-        eval_batch_size: batch size for validation/test evaluation.
-        num_workers: DataLoader worker processes.
-        seed: data-order seed (each task's stream of permutations is keyed on it).
-        split_seed: seed of the train/validation split.
-        download: let torchvision download datasets missing under `root` (where it can; never
-            needed for the bundled suites).
-        custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
-            with a name (not a suite task's), a path and optionally a class-names file and templates.
-        cache: read every split from the decoded-image cache (`mima.data.cache`, built on first use
-            or by `mima data cache`): images decoded, resized and centre-cropped once, stored as
-            uint8; training batches are read by index, augmented (where the task is) and normalised
-            on the device. Evaluation gives open_clip's tensors; the training crop is taken from the
-            cached centre crop (see mima.data.cache for every difference). Not for tensor suites
-            (`digits`, `synthetic`). Default false: the per-image transform path.
-        cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
+    Options: mima.data.settings.DataSettings (its documentation is appended below).
     """
 
-    def __init__(
-        self,
-        suite: str | None = "digits",
-        tasks: list[str] | None = None,
-        root: str | None = None,
-        batch_size: int = 128,
-        eval_batch_size: int = 256,
-        num_workers: int = 0,
-        seed: int = 0,
-        split_seed: int = 0,
-        download: bool = False,
-        custom_tasks: list[FolderTask] | None = None,
-        cache: bool = False,
-        cache_dir: str | None = None,
-    ) -> None:
+    def __init__(self, **options) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise MimaError(f"data.batch_size must be positive, got {batch_size}")
+        settings = DataSettings(**options)
+        suite, tasks, root, download = settings.suite, settings.tasks, settings.root, settings.download
+        custom_tasks, cache_dir = settings.custom_tasks, settings.cache_dir
         folder_tasks = [as_folder_task(task, i) for i, task in enumerate(custom_tasks or [])]
         # cache_dir is kept out of hparams: Lightning merges the module's and the datamodule's hparams
         # for loggers and refuses a key both hold with different values (model.cache_dir)
-        self.save_hyperparameters(ignore=["custom_tasks", "cache_dir"])
+        self.hparams.update({key: value for key, value in asdict(settings).items() if key not in ("custom_tasks", "cache_dir")})
         self.cache_dir = cache_dir
         # Plain dicts, not dataclasses: hyperparameters go into checkpoints and logs as plain data.
         self.hparams["custom_tasks"] = [asdict(task) for task in folder_tasks] or None

@@ -18,18 +18,17 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from mima.config.model import HeadKind
 from mima.models.clip import LoadedClip, text_tower_fingerprint
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.core.subsets import fixed_order, fixed_subset
 
-HeadKind = Literal["zero_shot", "linear_probe"]
 PROBE_EXAMPLES = 5000  # training images a probe is fitted on (a fixed-seed subset when there are more)
 PROBE_C = 10.0  # inverse L2 strength; features have norm 1, so weights need room to grow
 PROBE_SEED = 0

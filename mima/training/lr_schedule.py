@@ -9,12 +9,10 @@ the task step s; `scope="phase"` restarts it in every phase over K steps.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
+from mima.config.model import ScheduleName, ScheduleScope
 from mima.core.plan import PhasePlan
 
-ScheduleName = Literal["cosine", "constant"]
-ScheduleScope = Literal["run", "phase"]
 
 
 def warmup_cosine(step: int, total: int, warmup: int) -> float:

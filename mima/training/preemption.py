@@ -4,7 +4,8 @@ A stop is requested by a signal to any process (SIGUSR1: SLURM's warning before 
 SIGTERM: preemption or `scancel`) or by a file `STOP` in the run folder (`touch RUN/STOP`).
 Processes of a MIMA run take different numbers of steps between two syncs (a process may own one
 task more than another) and only meet at the phase-end sync, so they cannot agree on a stop step
-with a collective at every step. They agree through the rendezvous store instead, one key per phase:
+with a collective at every step. They agree through a key-value store instead (a TCPStore of mima's
+own, served by process 0: `stop_store`), one key per phase:
 
   * A process that sees a request at a step boundary inside phase p claims the phase's decision
     for "stop" (an atomic compare-and-set) and stops there, saving its state.
@@ -16,7 +17,7 @@ with a collective at every step. They agree through the rendezvous store instead
     store's host with every process's queries); its own signal and the STOP file it sees at once.
 Whichever claim comes first wins, so either every process enters the sync of phase p or none
 does; every process stops inside the same phase, and their saved states form a consistent cut
-(mima.training.checkpointing resumes each process from its own). Replicas of one task (W > T)
+(mima.training.resume resumes each process from its own). Replicas of one task (W > T)
 train in lockstep and must stop at the same step: they combine what they saw with one small
 all-reduce inside their task group per step (they all-reduce gradients there anyway).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -56,30 +58,33 @@ def _signal_of(decision: bytes) -> int | None:
 
 
 class StopAgreement:
-    """The stop protocol of one process (see the module docstring).
+    """The stop protocol of one process (see the module docstring). Made by `mima fit` before the
+    processes exist and handed to the strategy and the callbacks; the strategy `connect`s it once the
+    process group is up.
 
     Args:
         run_dir: the run folder (where `STOP` is looked for).
-        world_size: the number of processes.
-        task_group: the process group of this process's task replicas (None: no replicas).
-        device: where the replica all-reduce's tensor lives (the process's device).
         enabled: False when nothing could be saved (checkpointing off): requests are ignored.
         timeout_s: seconds a process waits at a sync for the others before the run fails (a process
             that died cannot hang the job; one that failed with an error says so at once).
     """
 
-    def __init__(self, run_dir: Path, world_size: int, task_group=None, device: torch.device | None = None,
-                 enabled: bool = True, timeout_s: float = 1800.0) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, timeout_s: float = 1800.0) -> None:
         self.enabled = enabled
         self.timeout_s = timeout_s  # how long a sync waits for the other processes (as a collective would)
         self.stop_file = RunFolder(Path(run_dir)).stop_file
-        self.world_size = world_size
-        self.task_group = task_group
-        self.device = device or torch.device("cpu")
-        self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        self.world_size = 1
+        self.task_group = None
+        self.device = torch.device("cpu")
+        self.store: dist.Store | None = None
         self.stopped_by: int | None = None  # signal number that stopped the run; 0: the STOP file
         self.waits: list[float] = []  # seconds this process waited at each sync for the others
         self._next_look = 0.0  # time.monotonic() from which at_step asks the store again
+
+    def connect(self, world_size: int, task_group, device: torch.device, store: dist.Store | None) -> None:
+        """Join the other processes: `store` (None for one process) is where they agree; `task_group`
+        the process group of this process's task replicas (None: no replicas), on `device`."""
+        self.world_size, self.task_group, self.device, self.store = world_size, task_group, device, store
 
     def install(self) -> None:
         """Take over SIGUSR1 and SIGTERM: from now on they only request a stop."""
@@ -180,12 +185,12 @@ class StopAgreement:
             )
 
 
-def stop_agreement(trainer) -> StopAgreement:
-    """The run's StopAgreement: MimaStrategy's, or, for a plain one-process Trainer (tests, notebooks),
-    one that never stops (nothing would save the state)."""
-    stop = getattr(trainer.strategy, "stop", None)
-    if stop is None:
-        stop = getattr(trainer, "_mima_stop", None)
-        if stop is None:
-            stop = trainer._mima_stop = StopAgreement(Path(trainer.default_root_dir), 1, enabled=False)
-    return stop
+def stop_store(rank: int, world_size: int, host: str, device: torch.device, timeout_s: float) -> dist.Store:
+    """A key-value store for the stop protocol, of mima's own (torch.distributed.TCPStore): process 0
+    serves it on a free port of `host` and tells the others the port with one broadcast; every
+    process must call this at the same point (the broadcast is a collective)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
+    port = torch.tensor([store.port if store is not None else 0], device=device)
+    dist.broadcast(port, src=0)
+    return store or dist.TCPStore(host, int(port.item()), world_size, is_master=False, timeout=timeout)

@@ -1,37 +1,90 @@
-"""A CSV log written by every process, not only rank 0.
+"""Logs written by every process, not only rank 0.
 
 Lightning's loggers write from global rank 0 alone, which suits data parallelism, where every
 process trains the same model. Under MIMA each process trains its own tasks, so rank 0's log holds
-the per-step losses of rank 0's tasks only. `RankCSVLogger` is Lightning's CSVLogger with its
-rank-0 guards taken off: each process writes its own metrics.csv into
-`RunFolder.rank_logs_dir(rank)` (logs/ for rank 0, logs/rank-RRRRR/ for the others).
+the per-step losses of rank 0's tasks only. `RankCSVLogger` is a small CSV logger of mima's own
+(Lightning's guards its methods with rank-zero wrappers): each process writes its own metrics.csv
+into `RunFolder.rank_logs_dir(rank)` (logs/ for rank 0, logs/rank-RRRRR/ for the others), one row
+per logged step, one column per metric (in sorted order, with `step`), as Lightning's CSVLogger.
+A resumed run keeps the rows of the steps before it and replaces those from its own first step on.
 """
 
 from __future__ import annotations
 
+import csv
+import os
 from pathlib import Path
 
-from lightning.fabric.loggers.csv_logs import CSVLogger as FabricCSVLogger
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
+
+METRICS_FILE = "metrics.csv"
 
 
-class RankCSVLogger(CSVLogger):
+class RankCSVLogger(Logger):
     def __init__(self, log_dir: Path) -> None:
-        super().__init__(save_dir=str(log_dir.parent), name=log_dir.name, version="")
+        super().__init__()
+        self.folder = Path(log_dir)
+        self.pending: list[dict[str, object]] = []  # rows logged since the last save
+        self.columns: list[str] = []
+        self.started = False  # whether this attempt has written the file yet
 
-    # Lightning's own bodies, without the rank_zero_only / rank_zero_experiment wrappers.
     @property
-    def experiment(self):
-        return CSVLogger.experiment.fget.__wrapped__(self)
+    def name(self) -> str:
+        return "csv"
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.folder)
+
+    @property
+    def file(self) -> Path:
+        return self.folder / METRICS_FILE
 
     def log_metrics(self, metrics, step=None) -> None:
-        FabricCSVLogger.log_metrics.__wrapped__(self, metrics, step)
+        self.pending.append({**{key: float(value) for key, value in metrics.items()}, "step": step})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # config.yaml holds every value
 
     def save(self) -> None:
-        FabricCSVLogger.save.__wrapped__(self)
+        if not self.pending:
+            return
+        rows, self.pending = self.pending, []
+        new_columns = sorted(set(self.columns).union(*rows))
+        if not self.started:  # an earlier attempt's rows up to this attempt's first step stay
+            first_step = min((row["step"] for row in rows if row["step"] is not None), default=None)
+            earlier = [row for row in self._read() if first_step is None or int(row.get("step") or 0) < first_step]
+            new_columns = sorted(set(new_columns).union(*earlier))
+            self._write_all(new_columns, earlier + rows)
+            self.started = True
+        elif new_columns != self.columns:  # a new metric: the header changes, so the file is rewritten
+            self._write_all(new_columns, self._read() + rows)
+        else:
+            with self.file.open("a", newline="") as handle:
+                csv.DictWriter(handle, fieldnames=self.columns).writerows(rows)
+        self.columns = new_columns
 
     def finalize(self, status: str) -> None:
-        FabricCSVLogger.finalize.__wrapped__(self, status)
+        self.save()
+
+    def _read(self) -> list[dict[str, str]]:
+        if not self.file.is_file():
+            return []
+        with self.file.open(newline="") as handle:
+            return [{key: value for key, value in row.items() if value not in ("", None)} for row in csv.DictReader(handle)]
+
+    def _write_all(self, columns: list[str], rows: list[dict]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        temporary = self.file.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
+        with temporary.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temporary, self.file)
 
 
 class RankTensorBoardLogger(Logger):

@@ -11,9 +11,10 @@ task's end weights are the run's final task checkpoint.
 
 Device memory: the working encoder and `avg`; the end weights of the process's own tasks live on
 the CPU until the phase ends, and so do the kept AdamW moments of its tasks that are not running
-(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). Everything needed to
-resume mid-phase is in `state_dict()`, each part tagged with the phase it belongs to, so that
-mima.training.checkpointing can store it as immutable per-(task, phase) files and refer to them.
+(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). All of this is the
+process's PhaseState (mima.training.phase_state), which `mima fit` hands to this callback and to the
+checkpoint callback: this one changes it, the other stores it (each part tagged with the phase it
+belongs to, as immutable per-(task, phase) files) and restores it on resume.
 
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
 before entering it they agree through the rendezvous store whether to sync or to stop
@@ -25,15 +26,18 @@ in its CSV log, `wait_s` per process in metrics.jsonl).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
 from mima.training.averaging import average_phase, gather_task_values
-from mima.training.preemption import stop_agreement
+from mima.training.phase_state import PhaseState, StepWatch
+from mima.training.preemption import StopAgreement
 
 StateDict = dict[str, torch.Tensor]
 
@@ -54,56 +58,66 @@ def _moments_to_cpu(optimizer_state: dict) -> dict:
 
 
 class MimaSyncCallback(Callback):
-    """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule."""
+    """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule.
 
-    def __init__(self) -> None:
-        self.avg: StateDict = {}  # the current phase's start point (device)
-        self.segment_ends: dict[int, StateDict] = {}  # slot -> this phase's end weights (CPU)
-        self.loss_sums: dict[int, float] = {}
+    Args:
+        phase_state: the process's PhaseState, which this callback changes (default: a new one).
+        stop: the process's side of the stop protocol (default: one that never stops, for a plain
+            Trainer that saves no state).
+        before_sync: called before the process waits for the others at a sync (`mima fit` passes
+            MimaCheckpoint.flush: this process's states of the phase must be on disk first).
+    """
+
+    def __init__(self, phase_state: PhaseState | None = None, stop: StopAgreement | None = None,
+                 before_sync: Callable[[], None] | None = None) -> None:
+        self.phases = phase_state if phase_state is not None else PhaseState()
+        self.stop = stop
+        self.before_sync = before_sync
         self.step_loss = 0.0  # the running step's loss, summed over its micro-batches
-        self.task_moments: dict[int, dict] = {}  # slot -> AdamW state (CPU), for optimizer_state="keep"
-        self.avg_phase = -1  # `avg` is the average after the sync ending this phase (-1: theta_0)
-        self.segment_phase = 0  # the phase `segment_ends` belong to
-        self.moments_phase: dict[int, int] = {}  # slot -> the phase whose segment end `task_moments` hold
-        self.pending_sync = False  # stopped at a sync before entering it: run it first on resume
-        self._restored = False
+        self.watch = StepWatch()
 
     # ----------------------------------------------------------------------------- start
     def on_fit_start(self, trainer, pl_module) -> None:
+        if self.stop is None:
+            self.stop = StopAgreement(Path(trainer.default_root_dir), enabled=False)
         encoder_state = pl_module.encoder.state_dict()
         device = next(pl_module.encoder.parameters()).device
-        if self._restored:
-            self.avg = {key: value.to(device) for key, value in self.avg.items()}
+        phases = self.phases
+        if phases.restored:
+            phases.avg = {key: value.to(device) for key, value in phases.avg.items()}
         else:
-            self.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
+            phases.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        stop_agreement(trainer).report_failure(trainer.global_rank)
+        if self.stop is not None:
+            self.stop.report_failure(trainer.global_rank)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Here, unlike in on_fit_start, Lightning has already restored the step counter and optimiser.
         if trainer.is_global_zero:
-            RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.avg_phase + 1)
-        if self.pending_sync:
-            from mima.core.errors import MimaError
-
+            RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
+        if self.phases.pending_sync:
             step = trainer.global_step - 1
             if not self._sync(trainer, pl_module, pl_module.plan.position(step).phase, step + 1):
                 raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
 
     # ------------------------------------------------------------------------ each step
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.watch.batch_starts(trainer.global_step)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         plan = pl_module.plan
+        stepped = self.watch.stepped(trainer.global_step)
         # the step this (micro-)batch belongs to; global_step counts it only once the optimiser stepped
-        step = trainer.global_step - 1 if pl_module.stepped else trainer.global_step
+        step = trainer.global_step - 1 if stepped else trainer.global_step
         position = plan.position(step)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # divided by the micro-batch count
         self.step_loss += float(loss)
-        if not pl_module.stepped:
+        if not stepped:
             return
-        self.loss_sums[position.slot] = self.loss_sums.get(position.slot, 0.0) + self.step_loss
+        self.phases.loss_sums[position.slot] = self.phases.loss_sums.get(position.slot, 0.0) + self.step_loss
         self._log_step_loss(trainer, plan.tasks[position.task_index], step)
         if not plan.ends_segment(step):
             return
@@ -111,38 +125,24 @@ class MimaSyncCallback(Callback):
         if plan.ends_phase(step):
             self._sync(trainer, pl_module, position.phase, step + 1)
             return
-        self._load_into_encoder(pl_module, self.avg)
+        self._load_into_encoder(pl_module, self.phases.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
 
     def _sync(self, trainer, pl_module, phase: int, global_step: int) -> bool:
         """Agree with the other processes, then average; False (sync left pending) on a stop."""
-        checkpoint = trainer.checkpoint_callback
-        if hasattr(checkpoint, "before_sync"):
-            checkpoint.before_sync()
-        stop = stop_agreement(trainer)
-        if not stop.at_sync(phase):
-            self.pending_sync = True
+        if self.before_sync is not None:
+            self.before_sync()
+        if not self.stop.at_sync(phase):
+            self.phases.pending_sync = True
             return False
-        self.pending_sync = False
-        if stop.waits:
+        self.phases.pending_sync = False
+        if self.stop.waits:
             for logger in trainer.loggers:
-                logger.log_metrics({"sync/wait_s": stop.waits[-1]}, step=global_step - 1)
+                logger.log_metrics({"sync/wait_s": self.stop.waits[-1]}, step=global_step - 1)
         self._end_phase(trainer, pl_module, phase, global_step)
-        self._load_into_encoder(pl_module, self.avg)
+        self._load_into_encoder(pl_module, self.phases.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=0)
         return True
-
-    def boundary(self, plan, step: int) -> tuple[str | int, int | None] | None:
-        """What the working encoder and optimiser hold before process step `step`, if they equal
-        tensors of `state_dict()`: ("avg", slot whose kept moments the optimiser holds, or None) at
-        the start of a segment; (slot, None) at a pending sync (the last segment's end weights);
-        None inside a segment."""
-        if self.pending_sync:
-            return len(plan.local_tasks) - 1, None
-        if step >= plan.local_steps or not plan.position(step).starts_segment:
-            return None
-        slot = plan.position(step).slot
-        return "avg", slot if slot in self.task_moments else None
 
     def _log_step_loss(self, trainer, task: str, step: int) -> None:
         """The step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
@@ -153,31 +153,30 @@ class MimaSyncCallback(Callback):
 
     def _end_segment(self, trainer, pl_module, position) -> None:
         plan = pl_module.plan
-        self.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
-        self.segment_phase = position.phase
+        self.phases.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
+        self.phases.segment_phase = position.phase
         if position.phase == plan.iterations - 1:
-            self.task_moments.pop(position.slot, None)  # the task has no later segment to resume
-            self.moments_phase.pop(position.slot, None)
+            self.phases.task_moments.pop(position.slot, None)  # the task has no later segment to resume
+            self.phases.moments_phase.pop(position.slot, None)
         elif pl_module.hparams.optimizer_state == "keep":
-            self.task_moments[position.slot] = _moments_to_cpu(trainer.optimizers[0].state_dict()["state"])
-            self.moments_phase[position.slot] = position.phase
+            self.phases.task_moments[position.slot] = _moments_to_cpu(trainer.optimizers[0].state_dict()["state"])
+            self.phases.moments_phase[position.slot] = position.phase
         is_leader = pl_module.layout.is_leader(trainer.global_rank)
         if position.phase == plan.iterations - 1 and is_leader:
-            self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.segment_ends[position.slot])
+            self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.phases.segment_ends[position.slot])
 
     def _end_phase(self, trainer, pl_module, phase: int, global_step: int) -> None:
         plan, layout = pl_module.plan, pl_module.layout
-        keys = list(self.avg)
+        keys = list(self.phases.avg)
         diagnostic_keys = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
-        local_states = [self.segment_ends[slot] for slot in range(len(plan.local_tasks))]
+        local_states = [self.phases.segment_ends[slot] for slot in range(len(plan.local_tasks))]
         device = next(pl_module.encoder.parameters()).device
-        result = average_phase(local_states, keys, layout, pl_module.theta_0, self.avg, diagnostic_keys, device)
-        self.avg = {key: value.to(device) for key, value in result.average.items()}
-        self.avg_phase = phase
-        mean_losses = {plan.local_tasks[slot]: total / plan.steps_per_phase for slot, total in self.loss_sums.items()}
+        result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device)
+        self.phases.avg = {key: value.to(device) for key, value in result.average.items()}
+        self.phases.avg_phase = phase
+        mean_losses = {plan.local_tasks[slot]: total / plan.steps_per_phase for slot, total in self.phases.loss_sums.items()}
         losses = gather_task_values(mean_losses, layout)
-        stop = stop_agreement(trainer)
-        waits = gather_task_values({trainer.global_rank: stop.waits[-1] if stop.waits else 0.0}, layout)
+        waits = gather_task_values({trainer.global_rank: self.stop.waits[-1] if self.stop.waits else 0.0}, layout)
         cos_tau, cos_delta = cosine_from_gram(result.gram_tau), cosine_from_gram(result.gram_delta)
         record = {
             "phase": phase + 1,
@@ -195,8 +194,8 @@ class MimaSyncCallback(Callback):
         pl_module.log("mima/mean_cos_delta", record["mean_cos_delta"], on_step=True, on_epoch=False)
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).append_phase_record(record)
-        self.segment_ends.clear()
-        self.loss_sums.clear()
+        self.phases.segment_ends.clear()
+        self.phases.loss_sums.clear()
 
     # ------------------------------------------------------------------------- helpers
     @staticmethod
@@ -210,9 +209,9 @@ class MimaSyncCallback(Callback):
         """Each segment is a fresh fine-tune from `avg`: new moments, or the next task's own ones."""
         optimizer = trainer.optimizers[0]
         optimizer.state.clear()
-        if pl_module.hparams.optimizer_state == "keep" and next_slot in self.task_moments:
+        if pl_module.hparams.optimizer_state == "keep" and next_slot in self.phases.task_moments:
             groups = optimizer.state_dict()["param_groups"]  # keep the scheduler's current lr
-            optimizer.load_state_dict({"state": self.task_moments[next_slot], "param_groups": groups})
+            optimizer.load_state_dict({"state": self.phases.task_moments[next_slot], "param_groups": groups})
 
     def _save_final(self, trainer, pl_module, task: str, weights: StateDict) -> None:
         plan, tasks = pl_module.plan, pl_module.tasks
@@ -227,29 +226,3 @@ class MimaSyncCallback(Callback):
             "config": {"model": dict(pl_module.hparams), "data": tasks.settings},
         }
         RunFolder(Path(trainer.default_root_dir)).write_final(task, weights, metadata)
-
-    # --------------------------------------------------------------------- checkpointing
-    def state_dict(self) -> dict:
-        # The tensors themselves (no copies): MimaCheckpoint stores each as a file once and keeps a
-        # reference here; the phases say which file.
-        return {
-            "avg": self.avg,
-            "avg_phase": self.avg_phase,
-            "segment_ends": dict(self.segment_ends),
-            "segment_phase": self.segment_phase,
-            "task_moments": dict(self.task_moments),
-            "moments_phase": dict(self.moments_phase),
-            "loss_sums": dict(self.loss_sums),
-            "pending_sync": self.pending_sync,
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.avg = state_dict["avg"]
-        self.avg_phase = int(state_dict["avg_phase"])
-        self.segment_ends = {int(slot): state for slot, state in state_dict["segment_ends"].items()}
-        self.segment_phase = int(state_dict["segment_phase"])
-        self.loss_sums = {int(slot): value for slot, value in state_dict["loss_sums"].items()}
-        self.task_moments = {int(slot): state for slot, state in state_dict["task_moments"].items()}
-        self.moments_phase = {int(slot): int(phase) for slot, phase in state_dict["moments_phase"].items()}
-        self.pending_sync = bool(state_dict["pending_sync"])
-        self._restored = True

@@ -35,12 +35,17 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
-from mima.training.checkpointing import MimaCheckpoint, log_resume, resolve_resume, run_identity
+from mima.config.run_config import config_error_text
 from mima.core.layout import TaskLayout
+from mima.training.checkpoint_callback import MimaCheckpoint
+from mima.training.joint import JointFinalCallback
 from mima.training.module import MimaModule
+from mima.training.phase_state import PhaseState
+from mima.training.preemption import StopAgreement
 from mima.training.rank_logger import rank_loggers
-from mima.training.run_config import config_error_text
+from mima.training.resume import log_resume, resolve_resume, run_identity
 from mima.training.strategy import MimaStrategy
+from mima.training.sync import MimaSyncCallback
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "auto",
@@ -100,32 +105,66 @@ class MimaCLI(LightningCLI):
         self.run_dir = resolve_run_dir(config.get("out"), config)
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
-        # the joint baseline trains one model on all tasks: one "task" for the process layout (plain DDP)
-        num_tasks = 1 if self.model.hparams.mode == "joint" else len(self.datamodule.task_names)
-        devices, nodes = str(trainer_config.get("devices", 1)), str(trainer_config.get("num_nodes", 1))
-        self.resume: tuple | None = None
-        if devices.isdigit() and int(devices) > 0 and nodes.isdigit():  # "auto", lists: known once the Trainer exists
-            world_size = int(devices) * int(nodes)
-            layout = check_layout(num_tasks, world_size, self.datamodule.hparams.batch_size)
-            # the checkpoint to resume, checked before the Trainer prints anything
-            self.resume = resolve_resume(config.get("ckpt_path"), self.run_dir, layout, self._identity(world_size))
+        self.launch: Launch | None = None
+        world_size = configured_world_size(trainer_config)
+        if world_size is not None:  # "auto", lists: known once the Trainer exists (then run_fit prepares it)
+            # the layout and the checkpoint to resume, checked before the Trainer prints anything
+            self.launch = self.prepare_launch(world_size)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
-        kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), num_tasks, config["collective_timeout"])
+        every = checkpoint_schedule(config.get("checkpoint_every"))
+        saving = bool(every) and trainer_config.get("enable_checkpointing") is not False
+        stop = StopAgreement(self.run_dir, enabled=saving, timeout_s=config["collective_timeout"])
+        kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(),
+                                       config["collective_timeout"], stop)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
-        every = checkpoint_schedule(config.get("checkpoint_every"))
-        if every and trainer_config.get("enable_checkpointing") is not False:
-            callbacks = list(self.config_init["trainer"].get("callbacks") or [])
-            kwargs["callbacks"] = callbacks + [MimaCheckpoint(every, keep=bool(config.get("keep_checkpoints")))]
+        # One PhaseState per process, owned here: the sync callback changes it, the checkpoints store it.
+        phases = PhaseState()
+        self.checkpoint: MimaCheckpoint | None = None
+        if saving:
+            identity = self.launch.identity if self.launch else None
+            self.checkpoint = MimaCheckpoint(phases, stop, identity, every, keep=bool(config.get("keep_checkpoints")))
         else:
             kwargs["enable_checkpointing"] = False
-            kwargs["strategy"].stop_enabled = False
+        if self.model.hparams.mode == JOINT:
+            mima_callbacks = [JointFinalCallback()]
+        else:
+            mima_callbacks = [MimaSyncCallback(phases, stop, before_sync=self.checkpoint.flush if self.checkpoint else None)]
+        user_callbacks = list(self.config_init["trainer"].get("callbacks") or [])
+        kwargs["callbacks"] = user_callbacks + mima_callbacks + ([self.checkpoint] if self.checkpoint else [])
         return super().instantiate_trainer(**kwargs)
 
-    def _identity(self, world_size: int) -> dict:
-        hparams, mode = self.model.hparams, self.model.hparams.mode
-        return run_identity(self.datamodule.task_names, hparams.steps, 1 if mode == JOINT else hparams.iterations,
-                            world_size, mode)
+    def num_tasks(self) -> int:
+        """Tasks for the process layout: the joint baseline trains one model on all tasks (plain DDP)."""
+        return 1 if self.model.hparams.mode == JOINT else len(self.datamodule.task_names)
+
+    def prepare_launch(self, world_size: int) -> Launch:
+        """The layout of the run on `world_size` processes, its identity and the cut to resume from:
+        computed once per `mima fit`, before any process writes."""
+        layout = check_layout(self.num_tasks(), world_size, self.datamodule.hparams.batch_size)
+        hparams = self.model.hparams
+        identity = run_identity(self.datamodule.task_names, hparams.steps, 1 if hparams.mode == JOINT else hparams.iterations,
+                                world_size, hparams.mode)
+        resume_states, notes = resolve_resume(self.config.get("ckpt_path"), self.run_dir, layout, identity)
+        return Launch(layout, identity, resume_states, notes)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `mima fit` settles once it knows the number of processes."""
+
+    layout: TaskLayout
+    identity: dict  # what a saved state must agree on to be resumed (mima.training.resume)
+    resume_states: dict[int, Path] | None  # rank -> state file of the cut to resume; None: a fresh start
+    notes: list[str]  # files the resume passed over, and why
+
+
+def configured_world_size(trainer_config: Mapping[str, Any]) -> int | None:
+    """devices x num_nodes when both are plain numbers; None when Lightning must resolve them."""
+    devices, nodes = str(trainer_config.get("devices", 1)), str(trainer_config.get("num_nodes", 1))
+    if devices.isdigit() and int(devices) > 0 and nodes.isdigit():
+        return int(devices) * int(nodes)
+    return None
 
 
 def checkpoint_schedule(every: str | int | None) -> str | int:
@@ -149,12 +188,12 @@ def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout
     return layout
 
 
-def _strategy(configured, num_tasks: int, timeout_s: int) -> MimaStrategy:
+def _strategy(configured, num_tasks: int, timeout_s: int, stop: StopAgreement) -> MimaStrategy:
     if configured in (None, "auto", "ddp", "mima"):
-        strategy = MimaStrategy(num_tasks=num_tasks, timeout_s=timeout_s)
+        strategy = MimaStrategy(num_tasks=num_tasks, timeout_s=timeout_s, stop=stop)
     elif isinstance(configured, MimaStrategy):
         strategy = configured
-        strategy.num_tasks = num_tasks
+        strategy.num_tasks, strategy.stop = num_tasks, stop
     else:
         raise MimaError(
             f"trainer.strategy: {configured!r} would mix tasks; mima runs its own task-parallel DDP (leave it unset)"
@@ -261,12 +300,13 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
     cli = build_cli(args)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
-    world_size = trainer.num_nodes * trainer.num_devices
-    layout = check_layout(1 if module.hparams.mode == JOINT else len(data.task_names), world_size, data.hparams.batch_size)
     run = RunFolder(run_dir)
     resuming = cli.config.get("ckpt_path") is not None
     # Every process computes the same cut from the same files: nothing writes before training starts.
-    resume_states, notes = cli.resume or resolve_resume(cli.config.get("ckpt_path"), run_dir, layout, cli._identity(world_size))
+    launch = cli.launch or cli.prepare_launch(trainer.num_nodes * trainer.num_devices)
+    if cli.checkpoint is not None and cli.checkpoint.identity is None:
+        cli.checkpoint.identity = launch.identity  # the world size was known only once the Trainer existed
+    resume_states, notes = launch.resume_states, launch.notes
     if resuming and resume_states is None and _finished(run, data.task_names, module.hparams.mode):
         if launch_rank() == 0:
             print(f"mima fit: {run_dir} has finished (final/ holds every task model); nothing to resume")
@@ -285,7 +325,7 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
         run.write_config(cli.parser.dump(cli.config, skip_none=False))
     trainer.strategy.resume_states = resume_states
     trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
-    stopped_by = getattr(trainer.checkpoint_callback, "stopped_by", None)
+    stopped_by = cli.checkpoint.stopped_by if cli.checkpoint is not None else None
     if stopped_by is not None and trainer.is_global_zero:
         cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"
         print(f"mima fit: stopped by {cause} at process step {trainer.global_step}; state saved, resume with --ckpt_path last")

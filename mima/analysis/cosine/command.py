@@ -21,7 +21,7 @@ NAME = "cosine"
 
 def read_run(path: Path) -> RunCosines:
     """The per-phase cosine matrices that `mima fit` logged for the run in `path`; N from its config."""
-    from mima.training.run_config import load_run_config
+    from mima.config.run_config import load_run_config
 
     run = RunFolder(path)
     records = run.phase_records()

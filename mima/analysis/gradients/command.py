@@ -81,8 +81,8 @@ def _source(run: Path) -> tuple[RunFolder | None, Path | None]:
 
 def _run_config(run: Path):
     """The run's configuration; a config file given as RUN is named RUN in messages, not --config
-    (the wording of mima.training.run_config.load_run_config, which this command has no flag for)."""
-    from mima.training.run_config import load_run_config
+    (the wording of mima.config.run_config.load_run_config, which this command has no flag for)."""
+    from mima.config.run_config import load_run_config
 
     try:
         return load_run_config(run)

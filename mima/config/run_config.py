@@ -1,11 +1,14 @@
 """The one typed run configuration: what every command reads from a config file or a run folder.
 
-`mima fit` parses its config with LightningCLI, whose `model:` and `data:` arguments are the
-signatures of MimaModule and TaskSuiteDataModule: their defaults are the only defaults. Every other
-command (merge --config, evaluate, the sweeps and the demo, each analysis, report) loads a config
-through `load_run_config`, which parses the same two sections against the same signatures with the
-same parser library, so it gets exactly the values `mima fit` used, defaults included. A run folder's
-config.yaml (written by `mima fit` with every value spelled out) loads the same way.
+The `model:` and `data:` options are two dataclasses, mima.config.model.ModelSettings and
+mima.data.settings.DataSettings: their defaults are the only defaults. `mima fit` parses its config
+with LightningCLI against MimaModule and TaskSuiteDataModule, which take exactly those fields
+(mima.core.settings.takes_settings). Every other command (merge --config, evaluate, the sweeps and
+the demo, each analysis, report) loads a config through `load_run_config`, which parses the same
+two sections against the dataclasses with the same parser library, so it gets exactly the values
+`mima fit` used, defaults included, and makes the same checks; it imports no Lightning and nothing
+of the training layer. A run folder's config.yaml (written by `mima fit` with every value spelled
+out) loads the same way.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from typing import Any
 from jsonargparse import ArgumentParser, Namespace
 
 from mima.core.errors import MimaError
+from mima.config.model import ModelSettings
 from mima.core.run_folder import RunFolder
-from mima.data.datamodule import TaskSuiteDataModule
-from mima.training.module import MimaModule
+from mima.data.settings import DataSettings
 
 SECTIONS = ("model", "data")
 
@@ -30,7 +33,7 @@ SECTIONS = ("model", "data")
 @dataclass(frozen=True)
 class RunConfig:
     """The `model:` and `data:` sections of a run, every value checked against its type and every
-    default filled in from the signatures of MimaModule and TaskSuiteDataModule."""
+    default filled in from ModelSettings and DataSettings."""
 
     model: Namespace
     data: Namespace
@@ -44,8 +47,11 @@ class RunConfig:
     def data_args(self) -> dict[str, Any]:
         return _plain(self.data)
 
-    def datamodule(self) -> TaskSuiteDataModule:
-        """The data of the run's tasks (nothing is loaded until a task's splits are asked for)."""
+    def datamodule(self):
+        """The data of the run's tasks (nothing is loaded until a task's splits are asked for): a
+        TaskSuiteDataModule, imported here so that reading a config needs no Lightning."""
+        from mima.data.datamodule import TaskSuiteDataModule
+
         return TaskSuiteDataModule(**self.data_args())
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,13 +75,13 @@ _PARSER: ArgumentParser | None = None
 
 
 def _parser() -> ArgumentParser:
-    """The model and data arguments exactly as LightningCLI declares them for `mima fit`."""
+    """The model and data options: the fields LightningCLI offers for `mima fit`, from the same dataclasses."""
     global _PARSER
     if _PARSER is None:
         os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
         parser = ArgumentParser(exit_on_error=False)
-        parser.add_class_arguments(MimaModule, "model", fail_untyped=False, sub_configs=True)
-        parser.add_class_arguments(TaskSuiteDataModule, "data", fail_untyped=False, sub_configs=True)
+        parser.add_class_arguments(ModelSettings, "model", fail_untyped=False, sub_configs=True)
+        parser.add_class_arguments(DataSettings, "data", fail_untyped=False, sub_configs=True)
         _PARSER = parser
     return _PARSER
 
@@ -123,7 +129,11 @@ def parse_run_config(raw: Mapping, source: str = "config") -> RunConfig:
     if seed is True or seed is None:
         seed = 0
     other = {key: copy.deepcopy(value) for key, value in raw.items() if key not in (*SECTIONS, "seed_everything")}
-    return RunConfig(model=parsed.model, data=parsed.data, seed=int(seed), source=source, other=other)
+    config = RunConfig(model=parsed.model, data=parsed.data, seed=int(seed), source=source, other=other)
+    # the checks `mima fit` makes when it builds the module and the data (each names its option)
+    ModelSettings(**config.model_args())
+    DataSettings(**config.data_args())
+    return config
 
 
 def config_error_text(exc: BaseException) -> str:

@@ -1,0 +1,107 @@
+"""The `model:` section of a run: every option of MIMA fine-tuning, its type and its default.
+
+This dataclass is the one place where these options are written. MimaModule takes exactly its
+fields as keyword arguments (mima.core.settings.takes_settings), so `mima fit` (LightningCLI) and
+every command that reads a run config (mima.config.run_config, which imports no Lightning) parse
+the same options with the same defaults, and make the same checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mima.core.errors import MimaError
+from mima.core.plan import check_budget
+
+HeadKind = Literal["zero_shot", "linear_probe"]
+ScheduleName = Literal["cosine", "constant"]
+ScheduleScope = Literal["run", "phase"]
+OptimizerState = Literal["reset", "keep"]
+TrainingMode = Literal["mima", "joint"]
+BatchNormMode = Literal["frozen", "train"]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """MIMA fine-tuning of an open_clip image encoder. Defaults are the paper's recipe (paper 001,
+    section 5: ViT-B/32, AdamW lr 1e-5, weight decay 0.1, 200 warm-up steps, cosine over S = 2000).
+
+    Args:
+        clip: open_clip model: an architecture name, `local-dir:PATH`, or `embedded:tiny-digits`.
+        pretrained: pretrained tag or checkpoint file for an architecture name (ignored for
+            `local-dir:` and `embedded:` models, which carry their weights).
+        steps: S, optimiser steps per task over the whole run.
+        iterations: N, the number of MIMA phases; K = S / N steps per task per phase. N = 1 is
+            independent fine-tuning.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps (counted in per-task steps).
+        lr_schedule: "cosine" (warm-up then cosine decay) or "constant" (warm-up then flat).
+        schedule_scope: "run": one schedule over the task's S steps (default); "phase": restart it
+            every phase over K steps.
+        optimizer_state: "keep" (default): each task keeps its own AdamW moments across phases (its
+            weights restart from the average, its moments go on); costs two encoder-sized buffers
+            per task of the process in host memory, and in checkpoints. "reset": fresh moments for
+            every task segment (SPEC 2.1's reading: each phase a new fine-tune from the average).
+            Measured (README, "Phase starts"): with reset, the task models of large N end below
+            theta_0 on real pretrained weights; with keep they stay above it and merge better.
+        heads: "zero_shot": each task's frozen head comes from the text tower and the task's class
+            names and templates (the papers); "linear_probe": a logistic regression fitted on the
+            pretrained encoder's features of the task's training images (for models without a
+            pretrained text tower, e.g. `embedded:mobilenetv2-imagenet`).
+        batchnorm: "frozen" (default): BatchNorm layers keep theta_0's running statistics during
+            fine-tuning (their weights still train), so every task model and every merge shares
+            them; "train": statistics follow each task's batches (and are averaged at each sync).
+            Measured on the offline suite: train-mode statistics make merges collapse (README).
+        cache_dir: where the embedded models and heads are cached (default $MIMA_CACHE_DIR
+            or ~/.cache/mima).
+        mode: "mima" (default): MIMA as above. "joint": the joint multi-task baseline: one encoder
+            trained on all tasks at once for S steps, every step on one batch of every task (each
+            through its frozen head; the losses averaged), so each task sees the same examples as
+            under MIMA; no phases (`iterations` is not used); on W processes plain data parallelism
+            over the combined batch. Writes final/joint.safetensors.
+        segment_warmup_steps: 0 (default) or a linear warm-up of the learning rate over the first
+            steps of every task segment, on top of the run's schedule: with `optimizer_state: reset`
+            each phase starts AdamW afresh from the average, and its first steps are taken with
+            fresh (uncalibrated) second moments at the full rate.
+        probe_shots: with `heads: linear_probe`, fit each probe on this many training images per
+            class instead of up to 5000 images (a weaker frozen head, so that fine-tuning has more to
+            add and merges can be told apart); None (default) keeps the full probe.
+        grad_checkpointing: recompute the image tower's activations in the backward pass instead of
+            keeping them (open_clip's `set_grad_checkpointing`: ViT towers and timm models), for
+            large towers at large batches (ViT-L/14 at batch 128); the same weights, about a third
+            more compute. A tower without the switch is an error, not a silent no-op.
+    """
+
+    clip: str = "ViT-B-32"
+    pretrained: str | None = "openai"
+    steps: int = 2000
+    iterations: int = 20
+    lr: float = 1e-5
+    weight_decay: float = 0.1
+    warmup_steps: int = 200
+    lr_schedule: ScheduleName = "cosine"
+    schedule_scope: ScheduleScope = "run"
+    optimizer_state: OptimizerState = "keep"
+    heads: HeadKind = "zero_shot"
+    batchnorm: BatchNormMode = "frozen"
+    cache_dir: str | None = None
+    mode: TrainingMode = "mima"
+    segment_warmup_steps: int = 0
+    probe_shots: int | None = None
+    grad_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        check_budget(self.steps, self.iterations)
+        if self.lr <= 0:
+            raise MimaError(f"model.lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise MimaError(f"model.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.probe_shots is not None and self.probe_shots < 1:
+            raise MimaError(f"model.probe_shots must be a positive number of images per class, got {self.probe_shots}")
+        steps_per_phase = self.steps // self.iterations
+        if self.segment_warmup_steps < 0 or self.segment_warmup_steps > steps_per_phase:
+            raise MimaError(
+                f"model.segment_warmup_steps must be in 0 .. K = {steps_per_phase} (steps per phase), got {self.segment_warmup_steps}"
+            )

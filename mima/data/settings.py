@@ -1,0 +1,62 @@
+"""The `data:` section of a run: which tasks, where their files are, how batches are made.
+
+This dataclass is the one place where these options are written. TaskSuiteDataModule takes exactly
+its fields as keyword arguments (mima.core.settings.takes_settings), so `mima fit` (LightningCLI)
+and every command that reads a run config (mima.config.run_config, which imports no Lightning)
+parse the same options with the same defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mima.core.errors import MimaError
+from mima.data.image_folder import FolderTask
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Tasks of one suite. Training batches follow the LightningModule's PhasePlan (one task per batch).
+
+    Args:
+        suite: task suite name (see `mima.data.registry.SUITES`); `custom` or null for a run of
+            custom tasks only.
+        tasks: task names in run order, from the suite and the custom tasks; None takes the
+            suite's default list followed by every custom task.
+        root: data root for suites read from disk (unused by the embedded `digits` suite).
+        batch_size: training batch size per task (split evenly over a task's replicas); with
+            `trainer.accumulate_grad_batches: a` it is the micro-batch, and each optimiser step sees
+            a x batch_size examples of its task (exactly the batch of a run with a x batch_size).
+        eval_batch_size: batch size for validation/test evaluation.
+        num_workers: DataLoader worker processes.
+        seed: data-order seed (each task's stream of permutations is keyed on it).
+        split_seed: seed of the train/validation split.
+        download: let torchvision download datasets missing under `root` (where it can; never
+            needed for the bundled suites).
+        custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
+            with a name (not a suite task's), a path and optionally a class-names file and templates.
+        cache: read every split from the decoded-image cache (`mima.data.cache`, built on first use
+            or by `mima data cache`): images decoded, resized and centre-cropped once, stored as
+            uint8; training batches are read by index, augmented (where the task is) and normalised
+            on the device. Evaluation gives open_clip's tensors; the training crop is taken from the
+            cached centre crop (see mima.data.cache for every difference). Not for tensor suites
+            (`digits`, `synthetic`). Default false: the per-image transform path.
+        cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
+    """
+
+    suite: str | None = "digits"
+    tasks: list[str] | None = None
+    root: str | None = None
+    batch_size: int = 128
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    seed: int = 0
+    split_seed: int = 0
+    download: bool = False
+    custom_tasks: list[FolderTask] | None = None
+    cache: bool = False
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise MimaError(f"data.batch_size must be positive, got {self.batch_size}")

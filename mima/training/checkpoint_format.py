@@ -1,0 +1,154 @@
+"""The checkpoint files of a run: their names, and states that refer to them instead of holding tensors.
+
+    RUN/checkpoints/
+      averages/phase-PPPP.safetensors        the average after the sync ending phase P (rank 0)
+      segments/phase-PPPP/<task>.safetensors a task's end weights of phase P (the task's first
+                                             replica); in the last phase final/<task>.safetensors
+      moments/phase-PPPP/<task>.safetensors  that segment's AdamW moments (optimizer_state: keep)
+      ranks/rank-RRRRR/phase-PPPP-step-GGGGGGGG.ckpt
+                                             one process's state (loops, scheduler, RNG, phase
+                                             state) with the tensors above replaced by references:
+                                             a few KB at a segment boundary; saved inside a segment
+                                             it holds the working encoder and its moments itself
+
+A reference is a small dict {REF: path relative to the run folder, "kind": ...}; `expand` puts the
+tensors of the files back. When each file is written and removed: mima.training.checkpoint_callback;
+which states a resume starts from: mima.training.resume.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mima.core.run_folder import RunFolder
+from mima.core.safetensors_io import load_state_dict
+
+StateDict = dict[str, torch.Tensor]
+REF = "__mima_file__"  # marks a reference: {REF: path relative to the run folder, "kind": ..., ...}
+STATE_NAME = re.compile(r"^phase-(\d{4})-step-(\d{8})\.ckpt$")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """File names inside a run's checkpoints/ folder; references are relative to the run folder."""
+
+    run_dir: Path
+
+    @property
+    def root(self) -> Path:
+        return RunFolder(self.run_dir).checkpoints_dir
+
+    def average(self, phase: int) -> Path:
+        if phase < 0:  # the start of phase 0 is theta_0
+            return RunFolder(self.run_dir).pretrained_file
+        return self.root / "averages" / f"phase-{phase:04d}.safetensors"
+
+    def segment(self, phase: int, task: str, last_phase: bool) -> Path:
+        if last_phase:
+            return RunFolder(self.run_dir).final_file(task)
+        return self.root / "segments" / f"phase-{phase:04d}" / f"{task}.safetensors"
+
+    def moments(self, phase: int, task: str) -> Path:
+        return self.root / "moments" / f"phase-{phase:04d}" / f"{task}.safetensors"
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / "ranks" / f"rank-{rank:05d}"
+
+    def state(self, rank: int, phase: int, step: int) -> Path:
+        return self.rank_dir(rank) / f"phase-{phase:04d}-step-{step:08d}.ckpt"
+
+    def relative(self, path: Path) -> str:
+        return str(Path(path).relative_to(self.run_dir))
+
+
+def reference(files: CheckpointFiles, path: Path, kind: str, **extra) -> dict:
+    return {REF: files.relative(path), "kind": kind, **extra}
+
+
+# ------------------------------------------------------------------ optimiser moments as files
+def flatten_moments(state: Mapping[int, Mapping[str, object]]) -> StateDict:
+    """AdamW's per-parameter state {param: {"step", "exp_avg", "exp_avg_sq"}} as flat tensors."""
+    flat: StateDict = {}
+    for param, moments in state.items():
+        for name, value in moments.items():
+            if not torch.is_tensor(value):
+                raise TypeError(f"optimiser state {param}.{name} is not a tensor; cannot be stored as safetensors")
+            flat[f"{param}.{name}"] = value
+    return flat
+
+
+def unflatten_moments(flat: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        param, name = key.split(".", 1)
+        state.setdefault(int(param), {})[name] = value
+    return state
+
+
+# --------------------------------------------------------------------- references <-> tensors
+def expand(obj: object, run_dir: Path) -> object:
+    """A saved state with every reference replaced by the tensors of the file it names."""
+    if isinstance(obj, dict):
+        if REF in obj:
+            return _load_reference(obj, run_dir)
+        return {key: expand(value, run_dir) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [expand(value, run_dir) for value in obj]
+    return obj
+
+
+def _load_reference(ref: Mapping, run_dir: Path) -> object:
+    tensors = load_state_dict(Path(run_dir) / ref[REF])
+    if ref["kind"] == "moments":
+        return unflatten_moments(tensors)
+    prefix = ref.get("prefix", "")
+    loaded = {prefix + key: value for key, value in tensors.items()}
+    return {**loaded, **ref.get("extra", {})}
+
+
+def references(obj: object) -> list[str]:
+    """The files a saved state refers to (relative to the run folder)."""
+    if isinstance(obj, dict):
+        if REF in obj:
+            return [obj[REF]]
+        return [path for value in obj.values() for path in references(value)]
+    if isinstance(obj, list):
+        return [path for value in obj for path in references(value)]
+    return []
+
+
+def cpu_snapshot(obj: object) -> object:
+    """A copy of a checkpoint with every tensor on the CPU, safe to write while training goes on."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: cpu_snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_snapshot(value) for value in obj)
+    return obj
+
+
+
+
+def state_writer(tensors: Mapping[str, torch.Tensor]) -> Callable[[Path], None]:
+    """A write job for a flat state dict; the CPU copy is taken now, while the tensors are current."""
+    snapshot = {key: value.detach().to("cpu", copy=True).contiguous() for key, value in tensors.items()}
+    return lambda tmp: save_file(snapshot, str(tmp))
+
+
+def saved_states(run_dir: Path, rank: int) -> list[Path]:
+    """A process's state files, newest first."""
+    folder = CheckpointFiles(Path(run_dir)).rank_dir(rank)
+    return sorted((p for p in folder.glob("phase-*-step-*.ckpt") if STATE_NAME.match(p.name)),
+                  key=lambda p: int(STATE_NAME.match(p.name).group(2)), reverse=True)
+
+
+def phase_of(path: Path) -> int:
+    """The phase a state file belongs to, from its name."""
+    return int(STATE_NAME.match(path.name).group(1))
