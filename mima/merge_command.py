@@ -20,18 +20,14 @@ the inputs (under any name), a folder, or left half written.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import MERGE_METHODS, get_method
-from mima.merging.cart import check_matrix_keys
 from mima.merging.engine import expand_models, merge_to_file, open_inputs, write_state_dict
 from mima.merging.registry import HYPERPARAMETERS, Hyperparameter, MergeMethod
 from mima.merging.selection import Selection, merge_with_defaults, select_on_validation
@@ -89,35 +85,33 @@ def run_merge(options) -> None:
     model_paths, run_tasks, run_base = expand_models(options.models)
     base_path = options.base if options.base is not None else run_base
     refuse_input_as_output(options.output, [*model_paths, *([base_path] if base_path is not None else [])])
-    if method.needs_base and base_path is None:
-        raise MimaError(f"merge method '{method.name}' needs the pretrained model: pass --base")
-    config = options.config or (options.models[0] if run_tasks is not None else None)
-    if (method.needs_data or options.select_on) and config is None:
-        raise MimaError(f"merge method '{method.name}' with these options needs --config (the tasks' model and data)")
-    pool = None
-    if config is not None:  # the model and data stack is only imported when a merge is judged on tasks
-        from mima.pools import task_pool
-
-        pool = task_pool(config)
-
     allow = options.allow_non_finite
-    with open_inputs(options.models, base_path, allow_non_finite=allow) as inputs, non_finite_refusal(method, allow):
-        check_model_count(method, given, len(inputs.models))
-        check_matrix_keys_match(method, given, inputs.models[0])
+    with open_inputs(model_paths, base_path) as inputs:
+        # the method's own rules (theta_0, task count, --min-tasks, --matrix-keys), from the headers,
+        # before the task data is loaded; the merge below runs the same check again on its inputs
+        checked = method.check(inputs.models, inputs.base, allow, **given)
+        config = options.config or (options.models[0] if run_tasks is not None else None)
+        if (method.needs_data or options.select_on) and config is None:
+            raise MimaError(f"merge method '{method.name}' with these options needs --config (the tasks' model and data)")
+        pool = None
+        if config is not None:  # the model and data stack is only imported when a merge is judged on tasks
+            from mima.pools import task_pool
+
+            pool = task_pool(config)
         if pool is not None and len(inputs.models) != len(pool.tasks):
             raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
-        metadata = {"method": method.name, "models": [str(p) for p in inputs.paths[-len(inputs.models):]],
+        metadata = {"method": method.name, "models": [str(p) for p in model_paths],
                     "base": str(base_path) if method.needs_base else None}
         streamable = not method.needs_data and not method.per_task and not options.select_on
         if streamable:
-            hparams = method.hyperparameters(given)
-            merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(hparams)}, options.overwrite,
-                          allow_non_finite=allow)
-            selection = Selection(method.name, hparams, None)
+            merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(checked.values)},
+                          options.overwrite, allow_non_finite=allow)
+            selection = Selection(method.name, checked.values, None)
         else:
-            models = [dict(view.items()) for view in inputs.models]
-            base = dict(inputs.base.items()) if inputs.base is not None else None
-            selection = choose(method, models, base, pool, given, options.select_on)
+            # read through the checked views, so that a NaN or Inf is named by its file
+            models = [dict(view.items()) for view in checked.models]
+            base = dict(checked.base.items()) if checked.base is not None else None
+            selection = choose(method, models, base, pool, given, options.select_on, allow)
             order = list(selection.merged) if method.per_task else list((base or models[0]).keys())
             meta = {**metadata, "hparams": printable(selection.hparams)}
             if method.per_task:
@@ -128,63 +122,33 @@ def run_merge(options) -> None:
     print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'}) -> {options.output}")
 
 
-def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: dict, select_on: str | None) -> Selection:
+def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: dict, select_on: str | None,
+           allow_non_finite: bool = False) -> Selection:
     if select_on is None:
-        output = method.merge(models, base, pool, **given)
+        output = method.merge(models, base, pool, allow_non_finite, **given)
         return Selection(method.name, method.hyperparameters(given), None, [], output.state, output.notes)
     validation = pool.evaluator("val")
     if method.per_task:
-        return select_per_task(method, models, base, pool)
+        return select_per_task(method, models, base, pool, allow_non_finite)
     if given:
         raise MimaError("--select-on val chooses the hyperparameters itself; leave them out or drop --select-on")
-    return select_on_validation(method, models, base, validation.mean_accuracy, pool=pool)
+    return select_on_validation(method, models, base, validation.mean_accuracy, pool=pool, allow_non_finite=allow_non_finite)
 
 
-def select_per_task(method: MergeMethod, models, base, pool: "TaskPool") -> Selection:
+def select_per_task(method: MergeMethod, models, base, pool: "TaskPool", allow_non_finite: bool = False) -> Selection:
     """Per-task methods pick their grid value for each task on that task's own validation split."""
     if not method.grid:
-        return merge_with_defaults(method, models, base)
+        return merge_with_defaults(method, models, base, allow_non_finite=allow_non_finite)
     (name, values), = method.grid.items()
     validation = pool.evaluator("val")
     scores: dict[float, list[float]] = {}
     for value in values:
-        index = method(models, base, **{name: value})
+        index = method(models, base, allow_non_finite=allow_non_finite, **{name: value})
         scores[value] = [validation.accuracy(method.reconstruct_fn(index, t), [task])[task] for t, task in enumerate(pool.tasks)]
     best = [max(values, key=lambda v: scores[v][t]) for t in range(len(pool.tasks))]
     trials = [{name: value, "task": task, "score": scores[value][t]} for value in values for t, task in enumerate(pool.tasks)]
     chosen = method.hyperparameters({name: best})
-    return Selection(method.name, chosen, None, trials, method(models, base, **{name: best}))
-
-
-def check_model_count(method: MergeMethod, given: dict, count: int) -> None:
-    """A merge of one model is that model; consensus with k above T keeps nothing but theta_0."""
-    if count < 2:
-        raise MimaError(f"--models: merging needs at least 2 task models, got {count}")
-    min_tasks = given.get("min_tasks", method.defaults.get("min_tasks"))
-    if isinstance(min_tasks, int) and min_tasks > count:
-        raise MimaError(f"--min-tasks {min_tasks}: more than the {count} models given (each entry can be chosen by at most {count} tasks)")
-
-
-def check_matrix_keys_match(method: MergeMethod, given: dict, model) -> None:
-    """A --matrix-keys pattern that selects no 2-D floating tensor would quietly turn a low-rank merge
-    (CART, TSV, Iso-C, ...) into a plain average of task vectors; it is an error for every method
-    that takes it, found from the headers alone (CART's own check, with CART's words)."""
-    if "matrix_keys" in given:
-        check_matrix_keys(method.name, [model], given["matrix_keys"])
-
-
-@contextlib.contextmanager
-def non_finite_refusal(method: MergeMethod, allowed: bool):
-    """With --allow-non-finite, NaN or Inf reach the strategy: those that decompose matrices (SVD,
-    eigen-decompositions) cannot take them, which is one line, not a LinAlgError traceback."""
-    try:
-        yield
-    except torch.linalg.LinAlgError as error:
-        if not allowed:
-            raise
-        reason = str(error).strip().splitlines()[0]
-        raise MimaError(f"{method.name}: cannot merge weights holding NaN or Inf, which --allow-non-finite let through "
-                        f"({reason})") from None
+    return Selection(method.name, chosen, None, trials, method(models, base, allow_non_finite=allow_non_finite, **{name: best}))
 
 
 def results_paths(output: Path) -> tuple[Path, Path]:

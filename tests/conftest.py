@@ -9,7 +9,7 @@ import open_clip
 import pytest
 import torch
 
-from mima.core.safetensors_io import save_state_dict
+from mima.core.safetensors_io import load_state_dict, save_state_dict
 
 # A small CLIP with the digits suite's 16x16 input. The text tower keeps open_clip's BPE vocabulary
 # (so the real tokenizer works) but is otherwise tiny.
@@ -77,3 +77,37 @@ def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: i
         },
         "out": str(out),
     }
+
+
+# ------------------------------------------------------------------ merge inputs (mima merge and the Python API)
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory, small_clip) -> dict[str, Path]:
+    """theta_0 and two fine-tuned-like image encoders of the small CLIP, as safetensors files."""
+    folder = tmp_path_factory.mktemp("encoders")
+    base = {k: v.clone() for k, v in open_clip.create_model(small_clip).visual.state_dict().items()}
+    paths = {"base": folder / "base.safetensors"}
+    save_state_dict(paths["base"], base)
+    for index in (1, 2):
+        generator = torch.Generator().manual_seed(index)
+        paths[f"m{index}"] = folder / f"m{index}.safetensors"
+        save_state_dict(paths[f"m{index}"], {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in base.items()})
+    return paths
+
+
+def merge_argv(method: str, encoders, output: Path, *extra, models=("m1", "m2"), base: bool = True) -> list:
+    """`mima merge` arguments; `models` names entries of `encoders` (or gives paths)."""
+    return (["merge", "--method", method] + (["--base", encoders["base"]] if base else [])
+            + ["--models", *[encoders[m] if isinstance(m, str) else m for m in models], "--output", output, *extra])
+
+
+POISONED_KEY = "transformer.resblocks.0.mlp.c_fc.weight"  # a matrix that CART, TSV and Iso-C decompose
+
+
+def poisoned(encoders, folder: Path, value: float) -> tuple[Path, str]:
+    """A copy of m2 with one entry of an MLP weight matrix set to `value`."""
+    state = load_state_dict(encoders["m2"])
+    key = POISONED_KEY
+    state[key].view(-1)[3] = value
+    path = folder / "poisoned.safetensors"
+    save_state_dict(path, state)
+    return path, key

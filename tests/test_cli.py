@@ -120,7 +120,7 @@ def test_merge_rejects_missing_and_unreadable_files(checkpoints, tmp_path, capsy
     [
         (["--method", "average"], ["unknown merge method 'average'", KNOWN]),
         (["--method", "uniform", "--lam", "0.3"], ["--lam does not apply to merge method 'uniform'"]),
-        (["--method", "task_arithmetic"], ["needs the pretrained model: pass --base"]),
+        (["--method", "task_arithmetic"], ["needs the pretrained model: pass base (--base)"]),
         (["--method", "ties", "--k", "0"], ["--k must be a percentage of entries kept, in (0, 100], got 0.0"]),
         (["--method", "ties", "--k", "120"], ["--k must be a percentage"]),
         (["--method", "cart", "--rank-ratio", "-0.1"], ["--rank-ratio must be a fraction of the rank, in [0, 1]"]),
@@ -193,7 +193,7 @@ def test_merge_refuses_one_model_and_more_min_tasks_than_models(checkpoints, tmp
     _assert_one_line_error(code, err, "at least 2 task models, got 1")
     code, err = _run(["merge", "--method", "consensus", "--base", checkpoints["base"], "--models", checkpoints["m1"],
                       checkpoints["m2"], "--min-tasks", "3", "--output", out], capsys)
-    _assert_one_line_error(code, err, "--min-tasks 3", "2 models")
+    _assert_one_line_error(code, err, "min_tasks (--min-tasks) must be at most the 2 models given, got 3")
     assert not out.exists()
 
 

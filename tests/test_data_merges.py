@@ -21,6 +21,7 @@ from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.fisher import diagonal_fisher
 from mima.merging.fw_merging import CANDIDATE_INITIAL
+from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
 from tests.conftest import fit_config
 
@@ -140,7 +141,9 @@ def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_cl
     fisher = json.loads((tmp_path / "f.safetensors.results.json").read_text())
     assert fisher["hparams"] == {"examples": 4} and set(fisher["notes"]["fisher_norms"]) == set(TASKS)
     capsys.readouterr()
-    code = main(["merge", "--method", "adamerging", "--models", str(tmp_path / "f.safetensors"), "--base",
+    # the run's task files, not the run folder: no config comes with them
+    finals = [str(RunFolder(run).final_file(task)) for task in TASKS]
+    code = main(["merge", "--method", "adamerging", "--models", *finals, "--base",
                  str(run / "pretrained.safetensors"), "--output", str(tmp_path / "a.safetensors")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "needs --config" in err and not (tmp_path / "a.safetensors").exists()

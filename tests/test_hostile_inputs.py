@@ -32,14 +32,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import open_clip
 import pytest
 import torch
 import yaml
 
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict, save_state_dict
-from tests.conftest import fit_config
+from tests.conftest import fit_config, merge_argv, poisoned
 from tests.test_cli import _fit_argv
 from tests.test_image_folder import STRIPES, _cut_jpeg_scan, _damaged_task, _garbage_png, _half, _write_fit_config
 from tests.test_tensor_files import HOSTILE as HOSTILE_HEADERS
@@ -110,24 +109,7 @@ def temporaries(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name)
 
 
-# ================================================================================ fixtures
-@pytest.fixture(scope="module")
-def encoders(tmp_path_factory, small_clip) -> dict[str, Path]:
-    """theta_0 and two fine-tuned-like image encoders of the small CLIP, as safetensors files."""
-    folder = tmp_path_factory.mktemp("encoders")
-    base = {k: v.clone() for k, v in open_clip.create_model(small_clip).visual.state_dict().items()}
-    paths = {"base": folder / "base.safetensors"}
-    save_state_dict(paths["base"], base)
-    for index in (1, 2):
-        generator = torch.Generator().manual_seed(index)
-        paths[f"m{index}"] = folder / f"m{index}.safetensors"
-        save_state_dict(paths[f"m{index}"], {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in base.items()})
-    return paths
-
-
-def merge_argv(method: str, encoders, output: Path, *extra, models=("m1", "m2"), base: bool = True) -> list:
-    return (["merge", "--method", method] + (["--base", encoders["base"]] if base else [])
-            + ["--models", *[encoders[m] if isinstance(m, str) else m for m in models], "--output", output, *extra])
+# (the merge inputs, `encoders`, `merge_argv` and `poisoned`, are shared: tests/conftest.py)
 
 
 # ============================================================= 1. mima convert: crafted checkpoints
@@ -567,19 +549,6 @@ def test_5_option_mistakes_are_one_line(encoders, tmp_path, capfd, argv, fragmen
     assert_one_line(result.code, result.err, *fragments)
 
 
-POISONED_KEY = "transformer.resblocks.0.mlp.c_fc.weight"  # a matrix that CART, TSV and Iso-C decompose
-
-
-def poisoned(encoders, folder: Path, value: float) -> tuple[Path, str]:
-    """A copy of m2 with one entry of an MLP weight matrix set to `value`."""
-    state = load_state_dict(encoders["m2"])
-    key = POISONED_KEY
-    state[key].view(-1)[3] = value
-    path = folder / "poisoned.safetensors"
-    save_state_dict(path, state)
-    return path, key
-
-
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("method", ["uniform", "task_arithmetic", "ties", "cart", "tsv"],
                          ids=["6-uniform", "6-task-arithmetic", "6-ties", "5-cart", "5-tsv"])
@@ -700,13 +669,13 @@ def test_5_analyze_landscape_into_the_run_folder_leaves_no_empty_analysis_folder
 # ================================================================================ 6. silent nonsense
 @pytest.mark.parametrize("method, extra, models, fragments", [
     ("task_arithmetic", ["--lam", "1e308"], ("m1", "m2"), ["overflows to Inf or NaN", "--lam"]),
-    ("consensus", ["--min-tasks", "3"], ("m1", "m2"), ["--min-tasks 3", "2 models"]),
+    ("consensus", ["--min-tasks", "3"], ("m1", "m2"), ["min_tasks (--min-tasks) must be at most the 2 models given, got 3"]),
     ("uniform", [], ("m1",), ["--models", "at least 2 task models, got 1"]),
-    ("cart", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["--matrix-keys '^nothing$' matches no 2-D floating tensor"]),
-    ("tsv", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["--matrix-keys '^nothing$' matches no 2-D floating tensor"]),
-    ("iso_c", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["--matrix-keys '^nothing$' matches no 2-D floating tensor"]),
-    ("iso_cts", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["--matrix-keys '^nothing$' matches no 2-D floating tensor"]),
-    ("wudi", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["--matrix-keys '^nothing$' matches no 2-D floating tensor"]),
+    ("cart", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["matrix_keys (--matrix-keys) '^nothing$' matches no 2-D floating tensor"]),
+    ("tsv", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["matrix_keys (--matrix-keys) '^nothing$' matches no 2-D floating tensor"]),
+    ("iso_c", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["matrix_keys (--matrix-keys) '^nothing$' matches no 2-D floating tensor"]),
+    ("iso_cts", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["matrix_keys (--matrix-keys) '^nothing$' matches no 2-D floating tensor"]),
+    ("wudi", ["--matrix-keys", "^nothing$"], ("m1", "m2"), ["matrix_keys (--matrix-keys) '^nothing$' matches no 2-D floating tensor"]),
 ], ids=["6-lam-1e308", "6-min-tasks-above-models", "6-single-model", "6-matrix-keys-match-nothing-cart",
         "6-matrix-keys-match-nothing-tsv", "6-matrix-keys-match-nothing-iso-c", "6-matrix-keys-match-nothing-iso-cts",
         "6-matrix-keys-match-nothing-wudi"])

@@ -337,7 +337,7 @@ def test_regmean_plus_plus_needs_blocks():
     pool = TinyPool(encoder, {"a": torch.eye(2)}, {"a": {"train": (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))}})
     state = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     with pytest.raises(MimaError, match="regmean_plus_plus': no tensor name matches block_keys"):
-        get_method("regmean_plus_plus").merge([state], None, pool)
+        get_method("regmean_plus_plus").merge([state, state], None, pool)
 
 
 # ------------------------------------------------------------------------------ mima merge

@@ -12,10 +12,10 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import get_method
 from mima.merging.breadcrumbs import breadcrumb_mask
+from mima.merging.common import pack, unpack
 from mima.merging.dare import dare
 from mima.merging.engine import merge_to_file, open_inputs
 from mima.merging.regmean import regmean_weight
-from mima.merging.tall import pack, unpack
 
 MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 
@@ -142,15 +142,16 @@ def _numpy_masks(base, models, key, lam):
     return np.abs(taus) > lam * np.abs(total - taus), total
 
 
-def test_consensus_with_k1_keeps_the_union_and_k_above_t_keeps_nothing():
+def test_consensus_with_k1_keeps_the_union_and_k_above_t_is_refused():
     base, models = _models(3, seed=3)
     union = get_method("consensus")(models, base, lam=1.0, mask_lam=0.4, min_tasks=1)
-    nothing = get_method("consensus")(models, base, lam=1.0, mask_lam=0.4, min_tasks=4)
     for key in (MATRIX, "ln.weight", "proj"):
         masks, total = _numpy_masks(base, models, key, 0.4)
         np.testing.assert_allclose(union[key].numpy(), base[key].numpy() + total * masks.any(0), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(nothing[key], base[key])
     assert int(union["counter"]) == 7
+    # k above T would keep nothing but theta_0: refused, as `mima merge --min-tasks` is
+    with pytest.raises(MimaError, match=r"min_tasks \(--min-tasks\) must be at most the 3 models given, got 4"):
+        get_method("consensus")(models, base, lam=1.0, mask_lam=0.4, min_tasks=4)
 
 
 # ----------------------------------------------------------------------------------- TSV

@@ -94,13 +94,14 @@ def test_ties_zero_majority_keeps_negative_entries_as_the_official_code():
 
 
 def test_ties_global_and_per_tensor_trim():
-    # One task, k = 50. Global: n = 8, kth = 4, threshold 4 -> a survives whole, b keeps only 4.
-    # Per tensor: n = 4, kth = 2 -> a keeps |x| >= 20, b keeps |x| >= 2. One task elects its own signs.
+    # One task given twice (a merge needs 2 models; the disjoint mean of two equal tasks is that task), k = 50.
+    # Global: n = 8, kth = 4, threshold 4 -> a survives whole, b keeps only 4.
+    # Per tensor: n = 4, kth = 2 -> a keeps |x| >= 20, b keeps |x| >= 2. The task elects its own signs.
     base = {"a": torch.zeros(4), "b": torch.zeros(4)}
     model = {"a": torch.tensor([10.0, 20, 30, 40]), "b": torch.tensor([1.0, 2, 3, 4])}
     ties = get_method("ties")
-    global_trim = ties([model], base, k=50)
-    per_tensor = ties([model], base, k=50, trim="per-tensor")
+    global_trim = ties([model, model], base, k=50)
+    per_tensor = ties([model, model], base, k=50, trim="per-tensor")
     torch.testing.assert_close(global_trim["a"], torch.tensor([10.0, 20, 30, 40]))
     torch.testing.assert_close(global_trim["b"], torch.tensor([0.0, 0, 0, 4]))
     torch.testing.assert_close(per_tensor["a"], torch.tensor([0.0, 20, 30, 40]))

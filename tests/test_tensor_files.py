@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from mima.core.errors import MimaError
 from mima.core.tensor_files import SafetensorsReader, SafetensorsWriter
-from mima.merging.engine import all_finite
+from mima.merging.common import all_finite
 
 
 def _file(path, header: object, data: bytes, raw_header: bytes | None = None):

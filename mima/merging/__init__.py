@@ -3,6 +3,7 @@
     from mima.merging import get_method
     merged = get_method("ties")(models, base, lam=1.0)                  # a state dict
     output = get_method("adamerging").merge(models, base, pool=pool)     # MergeOutput(state, notes)
+    get_method("tsv").check(models, base, matrix_keys="attn")            # the refusals alone (every merge runs them)
 
 Modules here import only mima.core and mima.merging; data-dependent strategies are given a task pool
 (mima.pools.TaskPool, or any object of the shape mima.merging.pool.Pool).

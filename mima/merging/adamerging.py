@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from mima.core.linalg import low_rank
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, check_matrix_keys
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_matrices, cart_rank
+from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
-from mima.merging.uniform import mean_tensor
 
 BATCH_SIZE, BATCHES_PER_TASK = 16, 2
 
@@ -131,7 +131,7 @@ def adamerging(models, base, pool: Pool, granularity: str, steps: int, lr: float
 def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
     """(theta_avg, [SVD_r(theta_t - theta_avg) per task]) with full centered differences off the
     matrices (CART's rule, mima.merging.cart.cart_matrix_key, or the pattern `matrix_keys`)."""
-    matrices = set(check_matrix_keys("adamerging_cart", models, matrix_keys))
+    matrices = set(cart_matrices("adamerging_cart", models, matrix_keys))
     average = {key: mean_tensor(models, key) for key in models[0]}
     keys = floating_keys(average)
     vectors = []

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from mima.merging.common import summed_task_vectors
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import summed_task_vectors
 
 
 def breadcrumb_mask(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:

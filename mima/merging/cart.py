@@ -26,7 +26,6 @@ theta_0 is not needed. The rank sweep computes one SVD per task and matrix for a
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -34,8 +33,8 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.linalg import low_rank, svd
+from mima.merging.common import check_matrix_keys, is_matrix_key, mean_tensor, some_keys, tensor_headers, two_d_keys
 from mima.merging.registry import MergeMethod, register
-from mima.merging.uniform import mean_tensor
 
 # The default of `matrix_keys`: the official rule (`cart_matrix_key`) written as a pattern, for the
 # places that take a pattern (the rank sweep's --matrix-keys). `is_matrix` applies the rule itself
@@ -64,52 +63,35 @@ def cart_rank(shape: tuple[int, ...] | torch.Size, rank_ratio: float) -> int:
 def is_matrix(key: str, tensor_or_shape, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> bool:
     """Whether `key` gets the low-rank treatment: 2-D, and the official rule (`matrix_keys` at its
     default) or a match of the user's pattern `matrix_keys` (re.search in the key)."""
-    shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
-    if len(shape) != 2:
-        return False
     if matrix_keys == DEFAULT_MATRIX_KEYS:
-        return cart_matrix_key(key)
-    return re.search(matrix_keys, key) is not None
-
-
-def _headers(model: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(key, shape, floating) per tensor; from the file headers when `model` is a lazy reader."""
-    infos = getattr(model, "infos", None)
-    if infos is not None:
-        return [(key, tuple(info.shape), info.dtype.is_floating_point) for key, info in infos.items()]
-    return [(key, tuple(value.shape), value.is_floating_point()) for key, value in model.items()]
-
-
-def _some(keys: Sequence[str], shown: int = 3) -> str:
-    listed = ", ".join(repr(k) for k in keys[:shown])
-    return listed + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
+        return len(getattr(tensor_or_shape, "shape", tensor_or_shape)) == 2 and cart_matrix_key(key)
+    return is_matrix_key(key, tensor_or_shape, matrix_keys)
 
 
 def matrix_keys_of(model: Mapping[str, torch.Tensor], matrix_keys: str = DEFAULT_MATRIX_KEYS) -> list[str]:
     """The keys of `model` that get the low-rank treatment (floating and `is_matrix`)."""
-    return [key for key, shape, floating in _headers(model) if floating and is_matrix(key, shape, matrix_keys)]
+    return [key for key, shape, floating in tensor_headers(model) if floating and is_matrix(key, shape, matrix_keys)]
 
 
-def check_matrix_keys(method: str, models: Sequence[Mapping[str, torch.Tensor]], matrix_keys: str) -> list[str]:
-    """The low-rank keys of the models, checked before any work (from the headers of lazy inputs).
+def cart_matrices(method: str, models: Sequence[Mapping[str, torch.Tensor]], matrix_keys: str) -> list[str]:
+    """The low-rank keys of the models (CART and the methods built on CART's matrices), checked before
+    any work from the headers of lazy inputs.
 
-    A user's pattern that selects nothing is an error; so is the default rule selecting nothing in
-    a model that has 2-D tensors (their names are not the rule's). A model without 2-D tensors has
-    no matrix for CART: a warning, and CART is the uniform average.
+    A user's pattern must select a matrix (mima.merging.common.check_matrix_keys, which every method
+    taking `matrix_keys` runs). So must the default rule in a model that has 2-D tensors (their names
+    are not the rule's); a model without 2-D tensors has no matrix for CART: a warning, and CART is
+    the uniform average.
     """
+    if matrix_keys != DEFAULT_MATRIX_KEYS:
+        return check_matrix_keys(method, models[0], matrix_keys)
     selected = matrix_keys_of(models[0], matrix_keys)
     if selected:
         return selected
-    two_d = [key for key, shape, floating in _headers(models[0]) if floating and len(shape) == 2]
-    if matrix_keys != DEFAULT_MATRIX_KEYS:
-        found = f"its 2-D tensors: {_some(two_d)}" if two_d else "it has none"
-        raise MimaError(
-            f"merge method '{method}': --matrix-keys {matrix_keys!r} matches no 2-D floating tensor of the models ({found})"
-        )
+    two_d = two_d_keys(models[0])
     if two_d:
         raise MimaError(
             f"merge method '{method}': CART's default rule ({RULE}) selects none of the models' 2-D tensors "
-            f"({_some(two_d)}), so it would be the uniform average; name the matrices with --matrix-keys PATTERN"
+            f"({some_keys(two_d)}), so it would be the uniform average; name the matrices with matrix_keys (--matrix-keys)"
         )
     warnings.warn(f"merge method '{method}': the models have no 2-D floating tensor, so CART keeps no low-rank part "
                   "and equals the uniform average", stacklevel=3)
@@ -118,7 +100,7 @@ def check_matrix_keys(method: str, models: Sequence[Mapping[str, torch.Tensor]],
 
 def cart(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> Iterator:
     """(key, theta_avg, sum_t SVD_r(theta_t - theta_avg) or None) per key; the keys are checked first."""
-    matrices = set(check_matrix_keys("cart", models, matrix_keys))
+    matrices = set(cart_matrices("cart", models, matrix_keys))
     return _cart(models, rank_ratio, matrices)
 
 
@@ -137,7 +119,7 @@ def _cart(models, rank_ratio: float, matrices: set[str]):
 
 def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEFAULT_MATRIX_KEYS) -> Iterator:
     """(setting, theta_avg, direction) for every ratio, from one SVD per task and matrix."""
-    matrices = set(check_matrix_keys("cart", models, matrix_keys))
+    matrices = set(cart_matrices("cart", models, matrix_keys))
     return _cart_sweep(models, list(rank_ratio), matrices)
 
 

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 import torch
 
 from mima.core.linalg import svd
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, check_matrix_keys
+from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_matrices, cart_rank
+from mima.merging.common import index_entries, mean_tensor
 from mima.merging.registry import MergeMethod, register
-from mima.merging.uniform import mean_tensor
 
 
 def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> dict[str, torch.Tensor]:
-    matrices = set(check_matrix_keys("cart_indexing", models, matrix_keys))
+    matrices = set(cart_matrices("cart_indexing", models, matrix_keys))
     index: dict[str, torch.Tensor] = {}
     for key in models[0]:
         average = mean_tensor(models, key)
@@ -46,11 +46,7 @@ def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRI
 
 def cart_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
     model = {}
-    for name in index:
-        if not name.startswith("avg/"):
-            continue
-        key = name[len("avg/") :]
-        average = index[name]
+    for key, average in index_entries(index, "avg/"):
         if f"task{task}/{key}/left" in index:
             delta = index[f"task{task}/{key}/left"] @ index[f"task{task}/{key}/right"]
         elif f"task{task}/{key}/full" in index:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from mima.core.errors import MimaError
+from mima.merging.common import task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tensor:

@@ -16,8 +16,8 @@ import hashlib
 
 import torch
 
+from mima.merging.common import summed_task_vectors
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import summed_task_vectors
 from mima.merging.ties import ties_vectors, with_base
 
 

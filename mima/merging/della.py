@@ -41,8 +41,8 @@ import hashlib
 import torch
 
 from mima.core.errors import MimaError
+from mima.merging.common import task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def della_seed(seed: int, task: int, key: str) -> int:

@@ -24,9 +24,8 @@ from collections.abc import Mapping
 
 import torch
 
+from mima.merging.common import pack, reconstruct_masked, task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.tall import pack, reconstruct_masked
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

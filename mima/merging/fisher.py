@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
-from mima.merging.uniform import mean_tensor
 
 FISHER_FLOOR = 1e-6
 

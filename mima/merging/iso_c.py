@@ -22,23 +22,14 @@ Streams one key at a time: the T task vectors of one tensor and one SVD.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from mima.core.linalg import svd
+from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
-# The reference's default: every 2-D tensor is a matrix (no excluded keys).
-EVERY_MATRIX = r".*"
 # The authors' alpha search, np.linspace(0.0, 3.0, 31)[1:].
 ISO_LAM_GRID = tuple(round(0.1 * i, 1) for i in range(1, 31))
-
-
-def is_iso_matrix(key: str, anchor: torch.Tensor, matrix_keys: str) -> bool:
-    """Whether `key` gets the matrix treatment: a 2-D tensor whose key matches `matrix_keys`."""
-    return anchor.ndim == 2 and re.search(matrix_keys, key) is not None
 
 
 def iso_c_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
@@ -53,7 +44,7 @@ def iso_c(models, base, matrix_keys: str = EVERY_MATRIX):
     for key, anchor, taus in task_vectors_by_key(models, base):
         if taus is None:
             yield key, anchor, None
-        elif is_iso_matrix(key, anchor, matrix_keys):
+        elif is_matrix_key(key, anchor, matrix_keys):
             yield key, anchor, iso_c_matrix(taus)
         else:
             yield key, anchor, torch.stack(taus).mean(dim=0)

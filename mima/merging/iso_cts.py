@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import polar_factor, svd
-from mima.merging.iso_c import EVERY_MATRIX, ISO_LAM_GRID, is_iso_matrix
+from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
+from mima.merging.iso_c import ISO_LAM_GRID
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def subspace_sizes(rank: int, tasks: int, common_space_fraction: float) -> tuple[int, int]:
@@ -66,7 +66,7 @@ def iso_cts(models, base, common_space_fraction: float, matrix_keys: str = EVERY
     for key, anchor, taus in task_vectors_by_key(models, base):
         if taus is None:
             yield key, anchor, None
-        elif is_iso_matrix(key, anchor, matrix_keys):
+        elif is_matrix_key(key, anchor, matrix_keys):
             yield key, anchor, iso_cts_matrix(taus, common_space_fraction)
         else:
             yield key, anchor, torch.stack(taus).mean(dim=0)

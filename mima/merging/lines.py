@@ -33,16 +33,14 @@ once to write); a number for alpha (or task arithmetic) needs one run.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 
 from mima.core.errors import MimaError
+from mima.merging.common import DEFAULT_BLOCK_KEYS, block_depths, summed_task_vectors
 from mima.merging.consensus import consensus
 from mima.merging.registry import MergeMethod, ScaledItem, combine_tensor, floating_keys, get_method, register
-from mima.merging.task_arithmetic import summed_task_vectors, task_arithmetic
+from mima.merging.task_arithmetic import task_arithmetic
 from mima.merging.ties import ties
-
-DEFAULT_BLOCK_KEYS = r"blocks\.(\d+)\."
 
 # The base merges, each a scaled_fn (key, theta_0, merged task vector or None) run at its own defaults.
 BASE_MERGES: dict[str, Callable[..., Iterable[ScaledItem]]] = {
@@ -50,27 +48,6 @@ BASE_MERGES: dict[str, Callable[..., Iterable[ScaledItem]]] = {
     "ties": ties,
     "consensus": consensus,
 }
-
-
-def block_of(key: str, pattern: re.Pattern) -> int | None:
-    """The residual block index of a tensor name (the pattern's first group), or None outside the blocks."""
-    match = pattern.search(key)
-    if match is None or match.group(1) is None:
-        return None
-    if not match.group(1).isdigit():
-        raise MimaError(f"block_keys '{pattern.pattern}': its first group captured '{match.group(1)}' in '{key}', "
-                        "not a block number")
-    return int(match.group(1))
-
-
-def block_depths(keys: Iterable[str], block_keys: str, method: str) -> dict[str, int]:
-    """Block index of every key inside a block; an error naming `block_keys` when none is."""
-    pattern = re.compile(block_keys)
-    depths = {key: index for key in keys if (index := block_of(key, pattern)) is not None}
-    if not depths:
-        raise MimaError(f"merge method '{method}': no tensor name matches block_keys '{block_keys}'; "
-                        "give the pattern of the model's residual blocks (its first group the block index)")
-    return depths
 
 
 def layer_scale(depth: int | None, blocks: int, alpha: float, beta: float) -> float:

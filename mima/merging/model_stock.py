@@ -27,9 +27,8 @@ import math
 
 import torch
 
-from mima.core.errors import MimaError
+from mima.merging.common import task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 EPS = 1e-8  # the reference's guard in the cosine's and the ratio's denominators
 
@@ -50,13 +49,8 @@ def interpolation_ratio(taus: list[torch.Tensor]) -> float:
 
 
 def model_stock(models, base):
-    """(key, merged tensor) per key of `base`; checks the model count before the first key."""
-    if len(models) < 2:
-        raise MimaError(f"merge method 'model_stock' needs at least 2 fine-tuned models (pairwise angles), got {len(models)}")
-    return _model_stock(models, base)
-
-
-def _model_stock(models, base):
+    """(key, merged tensor) per key of `base`; the pairwise angles need the 2 models at least that
+    MergeMethod.check asks of every method."""
     for key, anchor, taus in task_vectors_by_key(models, base):
         if taus is None:
             yield key, anchor.clone()

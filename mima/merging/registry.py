@@ -17,6 +17,10 @@ is one of four kinds:
                                     per-task compressions (CART-Indexing, TALL masks) that keep
                                     one shared model plus a small per-task part
 
+Every entry point (MergeMethod.stream, merge, sweep, and `mima merge` through the engine) first runs
+the method's `check`: theta_0 when needed, enough task models, `min_tasks` and `matrix_keys` that fit
+the inputs, NaN/Inf refused unless allowed; Python and the command line refuse alike, in one line.
+
 Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type),
 and a strategy lists the ones it takes with their defaults. A strategy whose hyperparameters depend
 on a setting (FW-Merging's mode) says which it uses for given values (`uses`); a value given for a
@@ -25,6 +29,7 @@ hyperparameter the setting does not use is an error, never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
@@ -35,6 +40,7 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.state_dicts import is_mergeable
+from mima.merging.common import check_matrix_keys, linalg_errors_as_refusals, refusing_linalg_errors, refusing_non_finite
 
 TensorMap = Mapping[str, torch.Tensor]
 StateDict = dict[str, torch.Tensor]
@@ -188,6 +194,23 @@ def _spell(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class CheckedInputs:
+    """What `MergeMethod.check` hands the strategy: the inputs (each refusing NaN or Inf as it is
+    read, unless allowed) and the full setting of the hyperparameters it uses."""
+
+    models: list[TensorMap]
+    base: TensorMap | None
+    values: dict[str, object]
+
+
+def input_name(model: TensorMap, fallback: str) -> str:
+    """How an error names an input: its file when it is file-backed (the engine's views and
+    SafetensorsReader carry `path`), else its place in the call (`models[1]`, `base`)."""
+    path = getattr(model, "path", None)
+    return str(path) if path is not None else fallback
+
+
+@dataclass(frozen=True)
 class MergeMethod:
     name: str
     paper: str
@@ -204,6 +227,8 @@ class MergeMethod:
     # uses(values) -> the hyperparameters that a full setting actually uses (None: all of them).
     # Only those are passed to the strategy; giving another is an error.
     uses: Callable[[Mapping[str, object]], Collection[str]] | None = None
+    # Fewer task models is an error, never a quiet merge: a merge of one model is that model.
+    min_models: int = 2
 
     @property
     def needs_data(self) -> bool:
@@ -244,54 +269,94 @@ class MergeMethod:
             )
         return {name: value for name, value in values.items() if name in used}
 
-    def _check_inputs(self, models: Sequence[TensorMap], base: TensorMap | None) -> None:
-        if self.needs_base and base is None:
-            raise MimaError(f"merge method '{self.name}' needs the pretrained model (--base)")
-        if not models:
-            raise MimaError(f"merge method '{self.name}' needs at least one fine-tuned model")
+    def check(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
+              **given) -> CheckedInputs:
+        """Refuse, before any work, the inputs and hyperparameters this method cannot merge; every
+        entry point (stream, merge, sweep, `mima merge`) runs it, so Python and the command line
+        refuse the same inputs with the same one-line message.
 
-    def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, **given) -> Iterator[Item]:
-        """The merged model, one (key, tensor) at a time (data-free strategies)."""
+        The rules: the hyperparameters' values (see `hyperparameters`); theta_0 when the method needs
+        it; at least `min_models` task models, and no more `min_tasks` than models; a `matrix_keys`
+        pattern given that selects no 2-D floating tensor (read from the headers of lazy inputs),
+        which would quietly make a low-rank merge an average. NaN or Inf weights are refused as
+        each tensor is read, naming the input and key, unless `allow_non_finite`.
+        """
+        values = self.hyperparameters(given)
+        if self.needs_base and base is None:
+            raise MimaError(f"merge method '{self.name}' needs the pretrained model: pass base (--base)")
+        count = len(models)
+        if count < self.min_models:
+            raise MimaError(f"merge method '{self.name}': models (--models) must be at least {self.min_models} task models, "
+                            f"got {count}")
+        if values.get("min_tasks", 0) > count:  # consensus would keep nothing but theta_0
+            raise MimaError(f"merge method '{self.name}': min_tasks (--min-tasks) must be at most the {count} models given, "
+                            f"got {values['min_tasks']} (each entry can be chosen by at most {count} tasks)")
+        if "matrix_keys" in given:
+            check_matrix_keys(self.name, models[0], given["matrix_keys"])
+        if allow_non_finite:
+            return CheckedInputs(list(models), base, values)
+        return CheckedInputs(
+            [refusing_non_finite(model, input_name(model, f"models[{index}]")) for index, model in enumerate(models)],
+            refusing_non_finite(base, input_name(base, "base")) if base is not None else None,
+            values,
+        )
+
+    def refusals(self, allow_non_finite: bool):
+        """Around a merge: with `allow_non_finite`, a decomposition failing on NaN/Inf is one line."""
+        return linalg_errors_as_refusals(self.name) if allow_non_finite else contextlib.nullcontext()
+
+    def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
+               **given) -> Iterator[Item]:
+        """The merged model, one (key, tensor) at a time (data-free strategies); checked first."""
         if self.per_task:
             raise MimaError(f"merge method '{self.name}' keeps one model per task; use its index and reconstruct")
         if self.needs_data:
             raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        self._check_inputs(models, base)
-        values = self.hyperparameters(given)
+        checked = self.check(models, base, allow_non_finite, **given)
+        values = dict(checked.values)
         if self.stream_fn is not None:
-            return self.stream_fn(models, base, **values)
-        lam = values.pop("lam")
-        return (
-            (key, combine_tensor(anchor, direction, lam))
-            for key, anchor, direction in self.scaled_fn(models, base, **values)
-        )
+            items = self.stream_fn(checked.models, checked.base, **values)
+        else:
+            lam = values.pop("lam")
+            items = (
+                (key, combine_tensor(anchor, direction, lam))
+                for key, anchor, direction in self.scaled_fn(checked.models, checked.base, **values)
+            )
+        return refusing_linalg_errors(self.name, items) if allow_non_finite else items
 
-    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, **given) -> MergeOutput:
-        """The merged model (for per-task methods: their index) with the strategy's notes.
+    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
+              **given) -> MergeOutput:
+        """The merged model (for per-task methods: their index) with the strategy's notes; checked first.
 
         `pool` (a task pool, see mima.merging.pool.Pool) is required by data-dependent strategies
         and ignored by the others, whose notes are empty.
         """
-        if self.per_task:
-            self._check_inputs(models, base)
-            return MergeOutput(self.index_fn(models, base, **self.hyperparameters(given)))
-        if self.needs_data:
-            values = self.hyperparameters(given)
-            if pool is None:
-                raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-            self._check_inputs(models, base)
-            output = self.data_fn(models, base, pool, **values)
-            if not isinstance(output, MergeOutput):
-                raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
-            return output
-        return MergeOutput(dict(self.stream(models, base, **given)))
+        if not self.per_task and not self.needs_data:
+            return MergeOutput(dict(self.stream(models, base, allow_non_finite, **given)))
+        checked = self.check(models, base, allow_non_finite, **given)
+        if self.needs_data and pool is None:
+            raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
+        with self.refusals(allow_non_finite):
+            if self.per_task:
+                return MergeOutput(self.index_fn(checked.models, checked.base, **checked.values))
+            output = self.data_fn(checked.models, checked.base, pool, **checked.values)
+        if not isinstance(output, MergeOutput):
+            raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
+        return output
 
-    def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, **given) -> StateDict:
+    def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None,
+                 allow_non_finite: bool = False, **given) -> StateDict:
         """The merged model as a state dict (for per-task methods: their index); see `merge` for the notes."""
-        return self.merge(models, base, pool, **given).state
+        return self.merge(models, base, pool, allow_non_finite, **given).state
 
-    def sweep(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
+    def sweep(self, models, base, settings: Mapping[str, Sequence],
+              allow_non_finite: bool = False) -> Iterator[tuple[dict, StateDict, StateDict]]:
         """(setting, anchor, direction) for every combination of structural values, for selection."""
+        checked = self.check(models, base, allow_non_finite)
+        with self.refusals(allow_non_finite):
+            yield from self._sweep(checked.models, checked.base, settings)
+
+    def _sweep(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
         fixed = {k: v for k, v in self.defaults.items() if k != "lam" and k not in settings}
         if self.sweep_fn is not None:
             yield from self.sweep_fn(models, base, **fixed, **settings)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import MergeMethod, MergeOutput, register
-from mima.merging.uniform import mean_tensor
 
 
 def input_grams(pool: Pool, weights, task: str, examples: int) -> dict[str, torch.Tensor]:

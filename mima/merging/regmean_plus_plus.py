@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.lines import DEFAULT_BLOCK_KEYS, block_depths
+from mima.merging.common import DEFAULT_BLOCK_KEYS, block_depths, mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import MergeMethod, MergeOutput, register
 from mima.merging.regmean import input_grams, regmean_weight
-from mima.merging.uniform import mean_tensor
 
 
 def regmean_plus_plus(models, base, pool: Pool, examples: int, alpha: float, block_keys: str) -> MergeOutput:

@@ -33,17 +33,19 @@ class Selection:
 
 
 def merge_with_defaults(method: MergeMethod, models: Sequence[TensorMap], base: TensorMap | None,
-                        pool: Pool | None = None) -> Selection:
-    output = method.merge(models, base, pool)
+                        pool: Pool | None = None, allow_non_finite: bool = False) -> Selection:
+    output = method.merge(models, base, pool, allow_non_finite)
     return Selection(method.name, dict(method.hyperparameters({})), None, [], output.state, output.notes)
 
 
 def select_on_validation(
-    method: MergeMethod, models: Sequence[TensorMap], base: TensorMap | None, score: Score, pool: Pool | None = None
+    method: MergeMethod, models: Sequence[TensorMap], base: TensorMap | None, score: Score, pool: Pool | None = None,
+    allow_non_finite: bool = False,
 ) -> Selection:
-    """Search the method's grid (other hyperparameters at their defaults) and keep the best score."""
+    """Search the method's grid (other hyperparameters at their defaults) and keep the best score; every
+    merge is checked as MergeMethod.check says (NaN/Inf refused unless `allow_non_finite`)."""
     if not method.grid:
-        selection = merge_with_defaults(method, models, base, pool)
+        selection = merge_with_defaults(method, models, base, pool, allow_non_finite)
         selection.score = score(selection.merged)
         selection.trials = [{**selection.hparams, "score": selection.score}]
         return selection
@@ -61,13 +63,13 @@ def select_on_validation(
     structural = {name: values for name, values in method.grid.items() if name != "lam"}
     if method.scaled_fn is not None:
         lams = method.grid.get("lam", (method.defaults["lam"],))
-        for setting, anchor, direction in method.sweep(models, base, structural):
+        for setting, anchor, direction in method.sweep(models, base, structural, allow_non_finite):
             for lam in lams:
                 consider({**setting, "lam": lam}, combine(anchor, direction, lam))
     else:
         for values in itertools.product(*method.grid.values()):
             hparams = dict(zip(method.grid, values))
-            output = method.merge(models, base, pool, **hparams)
+            output = method.merge(models, base, pool, allow_non_finite, **hparams)
             consider(hparams, output.state, output.notes)
     best.trials = trials
     return best

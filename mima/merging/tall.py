@@ -14,21 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
+from mima.merging.common import pack, reconstruct_masked, task_vectors_by_key
 from mima.merging.consensus import per_task_lams, task_masks
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
-
-
-def pack(mask: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.packbits(mask.reshape(-1).numpy()))
-
-
-def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    count = int(torch.Size(shape).numel())
-    return torch.from_numpy(np.unpackbits(packed.numpy(), count=count).astype(bool)).reshape(shape)
 
 
 def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
@@ -48,24 +38,6 @@ def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
 
 def tall_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
     return reconstruct_masked(index, task, "sum/")
-
-
-def reconstruct_masked(index: Mapping[str, torch.Tensor], task: int, vector: str, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """theta_0 + scale * (task's mask * shared vector) for every key of an index of the form
-    base/<key>, <vector><key>, task<t>/<key>/mask (TALL masks; EMR's masks and rescalers); keys
-    without a shared vector are theta_0's."""
-    model = {}
-    for name in index:
-        if not name.startswith("base/"):
-            continue
-        key = name[len("base/") :]
-        base = index[name]
-        if f"{vector}{key}" not in index:
-            model[key] = base.clone()
-            continue
-        masked = unpack(index[f"task{task}/{key}/mask"], base.shape) * index[f"{vector}{key}"]
-        model[key] = (base.float() + (masked if scale == 1.0 else masked * scale)).to(base.dtype)
-    return model
 
 
 register(

@@ -8,41 +8,8 @@ integer tensors come from theta_0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
+from mima.merging.common import summed_task_vectors
 from mima.merging.registry import MergeMethod, register
-from mima.core.state_dicts import accumulator
-
-# transform(task index, key, tau) -> the tensor that enters the sum (DARE drops, Breadcrumbs masks)
-Transform = Callable[[int, str, torch.Tensor], torch.Tensor]
-
-
-def task_vectors_by_key(models, base):
-    """(key, theta_0, [tau_t in float32] or None for integer tensors), one key of `base` at a time."""
-    for key in base:
-        anchor = base[key]
-        if not anchor.is_floating_point():
-            yield key, anchor, None
-            continue
-        yield key, anchor, [model[key].float() - anchor.float() for model in models]
-
-
-def summed_task_vectors(models, base, transform: Transform | None = None):
-    """(key, theta_0, sum_t transform(tau_t) or None) per key, accumulated one task at a time."""
-    for key in base:
-        anchor = base[key]
-        if not anchor.is_floating_point():
-            yield key, anchor, None
-            continue
-        total = accumulator(anchor)
-        reference = anchor.to(total.dtype)
-        for index, model in enumerate(models):
-            tau = model[key] - reference
-            total += transform(index, key, tau) if transform is not None else tau
-        yield key, anchor, total
-
 
 def task_arithmetic(models, base):
     """(key, theta_0, sum of task vectors) per key."""

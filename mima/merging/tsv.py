@@ -14,13 +14,11 @@ task arithmetic with lam = 1 on those matrices.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from mima.core.linalg import polar_factor, svd
+from mima.merging.common import is_matrix_key, task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
 
@@ -44,7 +42,7 @@ def tsv(models, base, matrix_keys: str = DEFAULT_TSV_MATRIX_KEYS):
     for key, anchor, taus in task_vectors_by_key(models, base):
         if taus is None:
             yield key, anchor, None
-        elif anchor.ndim == 2 and re.search(matrix_keys, key):
+        elif is_matrix_key(key, anchor, matrix_keys):
             yield key, anchor, tsv_matrix(taus)
         else:
             yield key, anchor, torch.stack(taus).mean(dim=0)

@@ -6,20 +6,8 @@ around (paper 001). Every floating tensor is averaged; integer tensors come from
 
 from __future__ import annotations
 
+from mima.merging.common import mean_tensor
 from mima.merging.registry import MergeMethod, register
-from mima.core.state_dicts import accumulator
-
-
-def mean_tensor(models, key: str):
-    """The mean over models of one tensor, accumulated in float32 or wider, in the input dtype."""
-    first = models[0][key]
-    if not first.is_floating_point():
-        return first.clone()
-    total = accumulator(first)
-    total += first
-    for model in models[1:]:
-        total += model[key]
-    return (total / len(models)).to(first.dtype)
 
 
 def uniform(models, base=None):

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.iso_c import EVERY_MATRIX, is_iso_matrix
+from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
 from mima.merging.registry import MergeMethod, register
-from mima.merging.task_arithmetic import task_vectors_by_key
 
 
 def wudi_gradient_terms(taus: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +70,7 @@ def wudi(models, base, steps: int, lr: float, matrix_keys: str = EVERY_MATRIX):
         if taus is None:
             yield key, anchor.clone()
             continue
-        if is_iso_matrix(key, anchor, matrix_keys):
+        if is_matrix_key(key, anchor, matrix_keys):
             merged = wudi_matrix(taus, steps, lr)
         else:
             merged = torch.stack(taus).mean(dim=0)

@@ -42,8 +42,8 @@ import torch
 from mima.core.linalg import SVD, svd
 from mima.core.state_dicts import accumulator
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.common import mean_tensor
 from mima.merging.registry import combine
-from mima.merging.uniform import mean_tensor
 
 StateDict = dict[str, torch.Tensor]
 Spectrum = list[SVD]  # one SVD per task, of that task's vector for one matrix

@@ -1,0 +1,230 @@
+"""What several merge strategies share, in one place: a strategy takes its helpers from here, and from
+another strategy's module only what defines that strategy (LiNeS's base merges, DARE-TIES's TIES,
+TALL's consensus masks, the CART variants' rule and rank, RegMean++'s RegMean, FW-Merging's AdaMerging).
+
+  task vectors       task_vectors_by_key, summed_task_vectors, mean_tensor
+  matrices           which 2-D tensors a `matrix_keys` pattern selects, from the headers alone
+  residual blocks    the block index of a tensor name (`block_keys`: LiNeS, RegMean++)
+  per-task indexes   their shared entries; masks packed one bit per entry (TALL, EMR) and the
+                     masked reconstruction
+  finite inputs      NaN/Inf refused as a tensor is read, and named with its input and key
+
+Every function works on mappings from key to tensor, which may be lazy file-backed readers: those
+with `infos` (key -> TensorInfo) are asked for shapes and dtypes without reading a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from mima.core.errors import MimaError
+from mima.core.state_dicts import accumulator
+
+TensorMap = Mapping[str, torch.Tensor]
+# transform(task index, key, tau) -> the tensor that enters the sum (DARE drops, Breadcrumbs masks)
+Transform = Callable[[int, str, torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- task vectors
+def task_vectors_by_key(models: Sequence[TensorMap], base: TensorMap):
+    """(key, theta_0, [tau_t in float32] or None for integer tensors), one key of `base` at a time."""
+    for key in base:
+        anchor = base[key]
+        if not anchor.is_floating_point():
+            yield key, anchor, None
+            continue
+        yield key, anchor, [model[key].float() - anchor.float() for model in models]
+
+
+def summed_task_vectors(models: Sequence[TensorMap], base: TensorMap, transform: Transform | None = None):
+    """(key, theta_0, sum_t transform(tau_t) or None) per key, accumulated one task at a time."""
+    for key in base:
+        anchor = base[key]
+        if not anchor.is_floating_point():
+            yield key, anchor, None
+            continue
+        total = accumulator(anchor)
+        reference = anchor.to(total.dtype)
+        for index, model in enumerate(models):
+            tau = model[key] - reference
+            total += transform(index, key, tau) if transform is not None else tau
+        yield key, anchor, total
+
+
+def mean_tensor(models: Sequence[TensorMap], key: str) -> torch.Tensor:
+    """The mean over models of one tensor, accumulated in float32 or wider, in the input dtype."""
+    first = models[0][key]
+    if not first.is_floating_point():
+        return first.clone()
+    total = accumulator(first)
+    total += first
+    for model in models[1:]:
+        total += model[key]
+    return (total / len(models)).to(first.dtype)
+
+
+# ----------------------------------------------------------------------------- matrices
+# The pattern of "every 2-D tensor is a matrix" (Iso-C, Iso-CTS and WUDI's reference default).
+EVERY_MATRIX = r".*"
+
+
+def is_matrix_key(key: str, tensor_or_shape, matrix_keys: str) -> bool:
+    """Whether `key` gets a strategy's matrix treatment: a 2-D tensor whose key matches `matrix_keys`
+    (re.search)."""
+    shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
+    return len(shape) == 2 and re.search(matrix_keys, key) is not None
+
+
+def tensor_headers(model: TensorMap) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(key, shape, floating) per tensor; from the file headers when `model` is a lazy reader."""
+    infos = getattr(model, "infos", None)
+    if infos is not None:
+        return [(key, tuple(info.shape), info.dtype.is_floating_point) for key, info in infos.items()]
+    return [(key, tuple(value.shape), value.is_floating_point()) for key, value in model.items()]
+
+
+def two_d_keys(model: TensorMap) -> list[str]:
+    """The keys of the floating 2-D tensors, the only ones any `matrix_keys` can select."""
+    return [key for key, shape, floating in tensor_headers(model) if floating and len(shape) == 2]
+
+
+def some_keys(keys: Sequence[str], shown: int = 3) -> str:
+    """A few keys for an error message, with their count when there are more."""
+    listed = ", ".join(repr(k) for k in keys[:shown])
+    return listed + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
+
+
+def check_matrix_keys(method: str, model: TensorMap, matrix_keys: str) -> list[str]:
+    """The floating 2-D keys of `model` that `matrix_keys` selects (from the headers of lazy inputs).
+
+    A pattern that selects none is an error: every strategy taking `matrix_keys` would quietly fall
+    back to its treatment of the other tensors (for most, the plain average of the task vectors)."""
+    two_d = two_d_keys(model)
+    selected = [key for key in two_d if re.search(matrix_keys, key) is not None]
+    if not selected:
+        found = f"its 2-D tensors: {some_keys(two_d)}" if two_d else "it has none"
+        raise MimaError(f"merge method '{method}': matrix_keys (--matrix-keys) {matrix_keys!r} matches no 2-D floating "
+                        f"tensor of the models ({found})")
+    return selected
+
+
+# ----------------------------------------------------------------------------- residual blocks
+DEFAULT_BLOCK_KEYS = r"blocks\.(\d+)\."
+
+
+def block_of(key: str, pattern: re.Pattern) -> int | None:
+    """The residual block index of a tensor name (the pattern's first group), or None outside the blocks."""
+    match = pattern.search(key)
+    if match is None or match.group(1) is None:
+        return None
+    if not match.group(1).isdigit():
+        raise MimaError(f"block_keys '{pattern.pattern}': its first group captured '{match.group(1)}' in '{key}', "
+                        "not a block number")
+    return int(match.group(1))
+
+
+def block_depths(keys: Iterable[str], block_keys: str, method: str) -> dict[str, int]:
+    """Block index of every key inside a block; an error naming `block_keys` when none is."""
+    pattern = re.compile(block_keys)
+    depths = {key: index for key in keys if (index := block_of(key, pattern)) is not None}
+    if not depths:
+        raise MimaError(f"merge method '{method}': no tensor name matches block_keys '{block_keys}'; "
+                        "give the pattern of the model's residual blocks (its first group the block index)")
+    return depths
+
+
+# ----------------------------------------------------------------------------- packed masks
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as one bit per entry (numpy.packbits of the flattened mask)."""
+    return torch.from_numpy(np.packbits(mask.reshape(-1).numpy()))
+
+
+def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    count = int(torch.Size(shape).numel())
+    return torch.from_numpy(np.unpackbits(packed.numpy(), count=count).astype(bool)).reshape(shape)
+
+
+def index_entries(index: Mapping[str, torch.Tensor], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of every `<prefix><key>` entry of a per-task index (its shared model, in order)."""
+    for name, tensor in index.items():
+        if name.startswith(prefix):
+            yield name[len(prefix) :], tensor
+
+
+def reconstruct_masked(index: Mapping[str, torch.Tensor], task: int, vector: str, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """theta_0 + scale * (task's mask * shared vector) for every key of an index of the form
+    base/<key>, <vector><key>, task<t>/<key>/mask (TALL masks; EMR's masks and rescalers); keys
+    without a shared vector are theta_0's."""
+    model = {}
+    for key, base in index_entries(index, "base/"):
+        if f"{vector}{key}" not in index:
+            model[key] = base.clone()
+            continue
+        masked = unpack(index[f"task{task}/{key}/mask"], base.shape) * index[f"{vector}{key}"]
+        model[key] = (base.float() + (masked if scale == 1.0 else masked * scale)).to(base.dtype)
+    return model
+
+
+# ----------------------------------------------------------------------------- finite inputs
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry of a tensor is finite (non-floating tensors always are).
+
+    A NaN or an infinity among the entries makes their sum NaN or infinite (IEEE arithmetic keeps
+    them), so a finite sum settles it in one pass with no temporary. Only a sum that overflows from
+    finite entries needs the entry-wise check, whose mask makes it about five times slower: run on
+    every tensor read, it was the largest part of a streamed task arithmetic's time."""
+    if not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+class FiniteView(Mapping[str, torch.Tensor]):
+    """A model whose tensors are checked as they are read: a NaN or an Inf in one input silently
+    poisons every merge of it (sums, signs, SVDs), so it is an error naming the input and the key.
+    Checked on read, not up front, so a streamed merge still reads each file once."""
+
+    def __init__(self, model: TensorMap, name: str) -> None:
+        self.model, self.name = model, name
+        # lazy readers keep answering shapes and dtypes from their headers, without a read
+        self.infos = getattr(model, "infos", None)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self.model[key]
+        if not all_finite(tensor):
+            raise MimaError(f"{self.name}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
+                            "(allow_non_finite=True, --allow-non-finite, merges them as they are)")
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.model)
+
+    def __len__(self) -> int:
+        return len(self.model)
+
+
+def refusing_non_finite(model: TensorMap, name: str) -> FiniteView:
+    """`model` seen through a FiniteView (once: a view already checking is returned as it is)."""
+    return model if isinstance(model, FiniteView) else FiniteView(model, name)
+
+
+@contextlib.contextmanager
+def linalg_errors_as_refusals(method: str):
+    """With allow_non_finite, NaN or Inf reach the strategy: those that decompose matrices (SVD,
+    eigen-decompositions) cannot take them, which is one line, not a LinAlgError traceback."""
+    try:
+        yield
+    except torch.linalg.LinAlgError as error:
+        reason = str(error).strip().splitlines()[0]
+        raise MimaError(f"{method}: cannot merge weights holding NaN or Inf, which allow_non_finite (--allow-non-finite) "
+                        f"let through ({reason})") from None
+
+
+def refusing_linalg_errors(method: str, items: Iterator) -> Iterator:
+    """A streamed merge whose decompositions' failures on NaN/Inf are one-line errors (see above)."""
+    with linalg_errors_as_refusals(method):
+        yield from items
