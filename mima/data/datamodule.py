@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
-from mima.data.cache import (BatchPreparer, CachedTask, CachedTrainingSet, whole_batch, crop_settings,
-                             default_data_cache_dir, eval_geometry, load_cached_task)
+from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
+from mima.data.cache_store import CachedTask, default_data_cache_dir, eval_geometry, load_cached_task
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
@@ -60,7 +60,7 @@ class ProcessTasks:
     train_set: Callable[[str], object]
     mode: str = "mima"
     head_tasks: tuple[int, ...] = ()  # the tasks whose heads this process uses: its own (MIMA) or all (joint)
-    # with data.cache: turns a cached batch, on the device, into (images, labels, slots) (mima.data.cache)
+    # with data.cache: turns a cached batch, on the device, into (images, labels, slots) (mima.data.cache_augment)
     prepare_batch: Callable | None = None
 
     @property
@@ -93,11 +93,11 @@ class TaskSuiteDataModule(L.LightningDataModule):
             needed for the bundled suites).
         custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
             with a name (not a suite task's), a path and optionally a class-names file and templates.
-        cache: read every split from the decoded-image cache (`mima.data.cache`, built on first use
+        cache: read every split from the decoded-image cache (`mima.data.cache_store`, built on first use
             or by `mima data cache`): images decoded, resized and centre-cropped once, stored as
             uint8; training batches are read by index, augmented (where the task is) and normalised
             on the device. Evaluation gives open_clip's tensors; the training crop is taken from the
-            cached centre crop (see mima.data.cache for every difference). Not for tensor suites
+            cached centre crop (see mima.data.cache_augment for every difference). Not for tensor suites
             (`digits`, `synthetic`). Default false: the per-image transform path.
         cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
     """
