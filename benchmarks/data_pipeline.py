@@ -1,4 +1,4 @@
-"""What the decoded-image cache (`data.cache: true`, mima.data.cache) buys: training images per
+"""What the decoded-image cache (`data.cache: true`, mima.data.cache_store) buys: training images per
 second of the cached path against the per-image transform path, at the same DataLoader worker
 count, and `mima fit` steps per second with and without the cache.
 
@@ -6,8 +6,9 @@ Loader part (no model forward; what a training loop would wait for):
   * transform path: `TaskSuiteDataModule.train_dataloader()` with the cache off: each image decoded
     (PIL from arrays or PNG files), resized/cropped and normalised by open_clip's transform;
   * cached path: the same loader with the cache on (uint8 batches read by index from the .npy
-    files) plus `BatchPreparer` (random resized crop where the task is augmented, normalisation),
-    which runs on the device in training and here on the CPU (one thread), so it is counted.
+    files) plus `BatchPreparer` (mima.data.cache_augment: random resized crop where the task is
+    augmented, normalisation), which runs on the device in training and here on the CPU (one
+    thread), so it is counted.
 Both read the same PhaseBatchSampler batches (batch 128); the first batch (worker start-up) is not
 timed. Sources:
   * offline: the offline suite's mnist and fashion_mnist through the offline model's transform

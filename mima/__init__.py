@@ -7,10 +7,11 @@ The pieces, by package (imports go one way, top to bottom; tests/test_architectu
   mima.models      open_clip models, the embedded models, frozen heads, BatchNorm freezing
   mima.training    the LightningModule, the MIMA synchronisation callback, `mima fit`, the run config
   mima.merging     merge strategies (one module each), their registry, the streaming engine (core only)
-  mima.evaluation  accuracy, the Table-1 style report, plots
+  mima.evaluation  accuracy, the Table-1 style results (numbers, Markdown tables, files), plots
   mima.pools       model pool and task pool for data-dependent merges, selection and analyses
   mima.analysis    why a merge works: one package per analysis (computation, plot, command)
-  mima.sweep, mima.demo, mima.report, mima.merge_command, mima.convert: the commands; mima.cli parses them
+  mima.sweep, mima.demo, mima.report, mima.merge_command, mima.prefetch, the mima.convert package: the commands;
+                   mima.cli parses them
 """
 
 __version__ = "0.1.0"

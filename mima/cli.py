@@ -242,7 +242,7 @@ def evaluate_command(argv: Sequence[str]) -> None:
 
 # ---------------------------------------------------------------------------- convert
 def convert_command(argv: Sequence[str]) -> None:
-    from mima.convert import add_arguments, main
+    from mima.convert.command import add_arguments, main
 
     parser = _OneLineParser(
         prog="mima convert",
@@ -294,7 +294,7 @@ def cache_command(argv: Sequence[str]) -> None:
 
     parser = _OneLineParser(
         prog="mima data cache",
-        description="Build the decoded-image cache of a `mima fit` config's tasks (mima.data.cache): each split "
+        description="Build the decoded-image cache of a `mima fit` config's tasks (mima.data.cache_store): each split "
         "decoded once through the model's evaluation transform (resize, centre crop) and stored as uint8, where "
         "data.cache_dir says (default $MIMA_CACHE_DIR/data). Stale or missing splits are rebuilt, others kept. "
         "`mima fit` with data.cache: true builds what is missing itself.",

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mima.core.errors import MimaError
-from mima.evaluation.report import ModelResult
+from mima.evaluation.results import ModelResult
 from mima.sweep import run_sweep
 from mima.config.run_config import load_run_config
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from mima.core.errors import MimaError
 from mima.core.files import refuse_overwrite, write_text_atomic
 from mima.core.run_folder import RunFolder, SweepFolder
-from mima.evaluation.report import markdown_table, n_table, read_results, summary_table
+from mima.evaluation.results_files import read_results
+from mima.evaluation.tables import markdown_table, n_table, summary_table
 from mima.config.run_config import load_run_config
 
 # What each plot shows, for the page's captions (file name -> caption); unknown PNGs get their name.

@@ -20,7 +20,9 @@ import torch
 from mima.core.errors import MimaError
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.core.files import read_json
-from mima.evaluation.report import ModelResult, markdown_text, read_results, training_setup, write_results
+from mima.evaluation.results import ModelResult, training_setup
+from mima.evaluation.results_files import read_results, write_results
+from mima.evaluation.tables import markdown_text
 from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.selection import merge_with_defaults, select_on_validation
@@ -91,7 +93,7 @@ def evaluate_runs(
 
     Runs at the same N must differ only in the seed (seed_everything, and data.seed, which the
     SLURM seed sweep sets to the same value); the table then adds the mean and sample standard
-    deviation over the seeds (format: mima.evaluation.report).
+    deviation over the seeds (format: mima.evaluation.results_files).
 
     With `resume`, each run's own results are written to RUN/evaluation/ (atomically, results.json
     last), a run whose RUN/evaluation/ already holds results of the same merges, selection and

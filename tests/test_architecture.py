@@ -4,7 +4,7 @@
     core  <-  merging                                   (strategies and the streaming engine: core only)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
-    analysis, then the commands (sweep, demo, report, merge_command, convert), then the CLI
+    analysis, then the commands (sweep, demo, report, merge_command, prefetch, the convert package), then the CLI
     nothing imports the CLI
 """
 
@@ -44,7 +44,9 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.convert", "mima.prefetch"}
+COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch"}
+# packages that belong to the commands layer whole: the package and every module in it
+COMMAND_PACKAGES = {"mima.convert"}
 
 
 def layer_of(module: str) -> str:
@@ -52,7 +54,7 @@ def layer_of(module: str) -> str:
         return "package"
     if module in ("mima.cli", "mima.__main__"):
         return "cli"
-    if module in COMMAND_MODULES:
+    if module in COMMAND_MODULES or any(module == package or module.startswith(package + ".") for package in COMMAND_PACKAGES):
         return "commands"
     if module == "mima.pools":
         return "pools"
@@ -129,6 +131,9 @@ def test_the_package_follows_its_import_rules():
         ("mima.core.plan", "import lightning", "mima.core.plan (core) imports lightning"),
         ("mima.merging.engine", "from open_clip import create_model", "mima.merging.engine (merging) imports open_clip"),
         ("mima.report", "from mima.cli import main", "mima.report imports the CLI (mima.cli)"),
+        ("mima.convert.pickle_reader", "    from mima.cli import main", "mima.convert.pickle_reader imports the CLI (mima.cli)"),
+        ("mima.models.hf_clip", "from mima.convert.hf_conversion import HF_CONFIG",
+         "mima.models.hf_clip (models) imports mima.convert.hf_conversion (commands)"),
         ("mima.training.sync", "from mima.pools import TaskPool", "mima.training.sync (training) imports mima.pools (pools)"),
     ],
 )

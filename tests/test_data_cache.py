@@ -1,6 +1,7 @@
-"""The decoded-image cache (mima.data.cache, `data.cache: true`): evaluation tensors equal to
-open_clip's transform, stale caches rebuilt, the device-side random resized crop, per-example draws
-independent of sharding, and `mima fit` on the cache giving the same task models at W = 1 and 2."""
+"""The decoded-image cache (`data.cache: true`; mima.data.cache_store and mima.data.cache_augment):
+evaluation tensors equal to open_clip's transform, stale caches rebuilt, the device-side random
+resized crop, per-example draws independent of sharding, and `mima fit` on the cache giving the
+same task models at W = 1 and 2."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from PIL import Image
 from mima.core.errors import MimaError
 from mima.core.plan import PhasePlan
 from mima.core.safetensors_io import load_state_dict
-from mima.data.cache import CropSettings, crop_box, resized_crops
+from mima.data.cache_augment import CropSettings, crop_box, resized_crops
+from mima.data.cache_store import source_fingerprint
+from mima.data.clip_tasks import TASKS
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import PhaseBatchSampler
+from mima.data.tasks import LoadOptions
 
 REPO = Path(__file__).resolve().parents[1]
 # Max abs difference allowed between the cached evaluation path and open_clip's transform: both do
@@ -112,6 +116,30 @@ def test_a_changed_source_file_rebuilds_the_cache_and_an_unchanged_one_does_not(
     for split in ("train", "val", "test"):
         assert _max_difference(getattr(data, split), getattr(reference, split)) <= BOUND
     # (the reference reads the new file: equal tensors mean the split holding it was rebuilt)
+
+
+def test_a_torchvision_dataset_is_fingerprinted_by_the_files_of_its_own_folder(tmp_path):
+    """RenderedSST2 lists its files in private attributes only: the fingerprint covers the folder it
+    reads (root/rendered-sst2), so a file changed there counts and files beside it do not."""
+    base = tmp_path / "RenderedSST2" / "rendered-sst2"
+    for split, count in (("train", 10), ("test", 3)):
+        for label in ("negative", "positive"):
+            (base / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(np.full((6, 6, 3), 20 * i, np.uint8)).save(base / split / label / f"{i}.png")
+
+    def fingerprints() -> list[str]:
+        data = TASKS["RenderedSST2"].load(LoadOptions(root=str(tmp_path), image_size=8, split_seed=0))
+        return [source_fingerprint(getattr(data, split)) for split in ("train", "val", "test")]
+
+    before = fingerprints()
+    assert len(set(before)) == 3 and fingerprints() == before
+    (tmp_path / "RenderedSST2" / "notes.txt").write_text("beside the dataset's folder")
+    (tmp_path / "MNIST").mkdir()
+    (tmp_path / "MNIST" / "another-task").write_text("elsewhere under the data root")
+    assert fingerprints() == before
+    Image.fromarray(np.full((7, 7, 3), 255, np.uint8)).save(base / "test" / "positive" / "0.png")
+    assert all(now != then for now, then in zip(fingerprints(), before))  # the folder is hashed whole
 
 
 def test_tensor_suites_are_refused_with_one_line(tmp_path):

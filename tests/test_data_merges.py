@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mima.cli import main
-from mima.convert import convert_checkpoint
+from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.merging import get_method
 from mima.pools import task_pool

@@ -18,7 +18,8 @@ from mima.cli import main
 from mima.pools import task_pool
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
-from mima.evaluation.report import ModelResult, read_results, write_results
+from mima.evaluation.results import ModelResult
+from mima.evaluation.results_files import read_results, write_results
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 

@@ -18,7 +18,7 @@ from huggingface_hub.file_download import repo_folder_name
 
 from mima.cli import main
 from mima.core.errors import MimaError
-from mima.models.clip import cached_pretrained_file, fetch_pretrained, load_clip
+from mima.models.clip import cached_pretrained_file, fetch_pretrained, load_clip, safetensors_alternatives
 from mima.prefetch import prefetch
 from mima.config.run_config import load_run_config
 
@@ -117,6 +117,15 @@ def test_a_tag_whose_hf_hub_names_a_file_is_probed_under_that_name(hub_cache):
     assert cached_pretrained_file("ViTamin-XL-384", "datacomp1b") is None
     weights = cache_file(hub_cache, repo_id, filename)
     assert cached_pretrained_file("ViTamin-XL-384", "datacomp1b") == str(weights)
+
+
+def test_the_safetensors_alternatives_are_open_clips():
+    """What open_clip tries before a hub file: its own safetensors name for its default file, the
+    same stem for any other .bin or .pth, nothing for other files."""
+    assert safetensors_alternatives("open_clip_pytorch_model.bin") == ("open_clip_model.safetensors",)
+    assert safetensors_alternatives("pytorch_model.bin") == ("pytorch_model.safetensors",)
+    assert safetensors_alternatives("epoch_32.pth") == ("epoch_32.safetensors",)
+    assert safetensors_alternatives("open_clip_model.safetensors") == ()
 
 
 def test_without_huggingface_hub_the_url_file_under_dot_cache_clip_counts(tmp_path, monkeypatch):

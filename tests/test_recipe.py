@@ -232,7 +232,8 @@ def test_fw_merging_iterations_default_to_3_hard_and_15_soft():
 def test_results_state_the_schedule_precision_and_clipping(tmp_path):
     from types import SimpleNamespace
 
-    from mima.evaluation.report import ModelResult, training_setup, write_results
+    from mima.evaluation.results import ModelResult, training_setup
+    from mima.evaluation.results_files import write_results
 
     def model(n, schedule="cosine"):
         return SimpleNamespace(lr=1e-5, lr_schedule=schedule, schedule_scope="run", warmup_steps=200, iterations=n)

@@ -14,8 +14,8 @@ from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan
 from mima.core.settings import takes_settings
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
-from mima.data.cache import (BatchPreparer, CachedTask, CachedTrainingSet, whole_batch, crop_settings,
-                             default_data_cache_dir, eval_geometry, load_cached_task)
+from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
+from mima.data.cache_store import CachedTask, default_data_cache_dir, eval_geometry, load_cached_task
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.settings import DataSettings
@@ -62,7 +62,7 @@ class ProcessTasks:
     train_set: Callable[[str], object]
     mode: str = "mima"
     head_tasks: tuple[int, ...] = ()  # the tasks whose heads this process uses: its own (MIMA) or all (joint)
-    # with data.cache: turns a cached batch, on the device, into (images, labels, slots) (mima.data.cache)
+    # with data.cache: turns a cached batch, on the device, into (images, labels, slots) (mima.data.cache_augment)
     prepare_batch: Callable | None = None
 
     @property

@@ -35,11 +35,11 @@ class DataSettings:
             needed for the bundled suites).
         custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
             with a name (not a suite task's), a path and optionally a class-names file and templates.
-        cache: read every split from the decoded-image cache (`mima.data.cache`, built on first use
+        cache: read every split from the decoded-image cache (`mima.data.cache_store`, built on first use
             or by `mima data cache`): images decoded, resized and centre-cropped once, stored as
             uint8; training batches are read by index, augmented (where the task is) and normalised
             on the device. Evaluation gives open_clip's tensors; the training crop is taken from the
-            cached centre crop (see mima.data.cache for every difference). Not for tensor suites
+            cached centre crop (see mima.data.cache_augment for every difference). Not for tensor suites
             (`digits`, `synthetic`). Default false: the per-image transform path.
         cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
     """

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mima.evaluation.report import ModelResult  # noqa: E402
+from mima.evaluation.results import ModelResult  # noqa: E402
 
 
 def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:

@@ -130,7 +130,7 @@ def cached_pretrained_file(name: str, tag: str) -> str | None:
     `open_clip.pretrained.download_pretrained`: the tag's HF-hub repository when it has one (the
     safetensors alternative before the named file), else the file of its URL under ~/.cache/clip."""
     from open_clip.constants import HF_WEIGHTS_NAME
-    from open_clip.pretrained import _get_safe_alternatives, get_pretrained_cfg, has_hf_hub
+    from open_clip.pretrained import get_pretrained_cfg, has_hf_hub
 
     cfg = get_pretrained_cfg(name, tag)
     if "file" in cfg:
@@ -141,7 +141,7 @@ def cached_pretrained_file(name: str, tag: str) -> str | None:
 
         repo_id, filename = os.path.split(hub)  # "org/model/" names the default file, "org/model/file" a file
         filename = filename or HF_WEIGHTS_NAME
-        for candidate in (*_get_safe_alternatives(filename), filename):
+        for candidate in (*safetensors_alternatives(filename), filename):
             found = try_to_load_from_cache(repo_id, candidate)
             if isinstance(found, str):  # not None, nor the marker of a file known to be absent
                 return found
@@ -150,6 +150,20 @@ def cached_pretrained_file(name: str, tag: str) -> str | None:
         path = Path("~/.cache/clip").expanduser() / os.path.basename(url)
         return str(path) if path.is_file() else None
     return None
+
+
+def safetensors_alternatives(filename: str) -> tuple[str, ...]:
+    """The safetensors files open_clip tries, before `filename` itself, in a tag's HF-hub repository:
+    open_clip_model.safetensors for its default open_clip_pytorch_model.bin, NAME.safetensors for
+    any other NAME.bin or NAME.pth. open_clip keeps this rule private (download_pretrained_from_hf
+    follows it), so it is stated here."""
+    from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+
+    if filename == HF_WEIGHTS_NAME:
+        return (HF_SAFE_WEIGHTS_NAME,)
+    if filename.endswith((".bin", ".pth")):
+        return (os.path.splitext(filename)[0] + ".safetensors",)
+    return ()
 
 
 def hub_cache_location(name: str, tag: str) -> str:

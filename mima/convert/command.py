@@ -1,0 +1,124 @@
+"""`mima convert`: a checkpoint -> a safetensors state dict, without running its code.
+
+  mima convert CHECKPOINT.pt OUT.safetensors [--prefix model.visual.]
+      a pickled module (task_vectors' and tall_masks' ImageEncoder) read with
+      mima.convert.pickle_reader's restricted unpickler; the keys under --prefix (default
+      `model.visual.`, the image tower) are written, prefix removed, as an image-encoder state
+      dict like the ones `mima fit` writes.
+  mima convert --from hf-clip HF_DIR_OR_FILE --output OUT.safetensors
+  mima convert --to hf-clip ENCODER.safetensors --output DIR
+      open_clip image encoders <-> transformers CLIP vision towers (mima.convert.hf_conversion
+      reads and converts, mima.convert.hf_writer writes the transformers folder).
+
+This module parses the options, refuses outputs that are inputs or exist (unless --overwrite)
+before any reading, and writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mima.convert.hf_conversion import HF_CONFIG, HF_WEIGHTS, convert_from_hf_clip, convert_to_hf_clip, hf_checkpoint_files
+from mima.convert.hf_writer import write_hf_output
+from mima.convert.pickle_reader import convert_checkpoint
+from mima.core.errors import MimaError
+from mima.core.files import refuse_input_as_output, refuse_overwrite
+from mima.core.safetensors_io import save_state_dict
+from mima.models.hf_clip import ACTIVATIONS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", type=Path,
+                        help="the checkpoint: a pickled .pt (default), a transformers CLIP folder or weights file "
+                        "(--from hf-clip), or an open_clip image-encoder .safetensors (--to hf-clip)")
+    parser.add_argument("output_positional", nargs="?", type=Path, metavar="OUTPUT", help="the file to write (or --output)")
+    parser.add_argument("--output", "-o", type=Path,
+                        help="the file to write; with --to hf-clip a folder (config.json + model.safetensors) unless "
+                        "it ends in .safetensors")
+    parser.add_argument("--from", dest="source_format", choices=("pickle", "hf-clip"), default=None,
+                        help="pickle: a pickled module checkpoint (the default); hf-clip: a transformers CLIPModel, "
+                        "CLIPVisionModelWithProjection or CLIPVisionModel (a save_pretrained folder or its weights file)")
+    parser.add_argument("--to", dest="target_format", choices=("hf-clip",), default=None,
+                        help="hf-clip: write a transformers CLIPVisionModelWithProjection from an open_clip image encoder")
+    parser.add_argument("--prefix", default=None,
+                        help="pickle only: keep the keys under this prefix, without it (default: model.visual., an "
+                        "ImageEncoder's image tower); '' keeps every key")
+    parser.add_argument("--arch", default=None,
+                        help="hf-clip: the open_clip architecture (default: the one of ViT-B-32, ViT-B-16, ViT-L-14, "
+                        "ViT-L-14-336 whose shapes the weights have); checked against the weights")
+    parser.add_argument("--projection-from", type=Path, default=None,
+                        help="--from hf-clip of a CLIPVisionModel (no visual_projection, as FusionBench's task models): "
+                        "the pretrained CLIP whose projection to use (a transformers folder or file, or an open_clip "
+                        ".safetensors)")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default=None,
+                        help="hf-clip: the MLP activation the weights were trained with (quick_gelu for OpenAI's CLIP "
+                        "and FusionBench's models); needed by --to hf-clip unless --arch is a -quickgelu one; "
+                        "--from hf-clip takes it from config.json")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output if it exists (never an input)")
+
+
+def _output_of(options) -> Path:
+    if options.output is not None and options.output_positional is not None:
+        raise MimaError(f"give the output once: OUTPUT {options.output_positional} or --output {options.output}")
+    output = options.output if options.output is not None else options.output_positional
+    if output is None:
+        raise MimaError("--output: required (the file to write)")
+    return output
+
+
+def _check_options(options) -> str:
+    """'pickle', 'from-hf' or 'to-hf', after refusing options that do not apply to it."""
+    if options.source_format is not None and options.target_format is not None:
+        raise MimaError("--from and --to: give one (--from hf-clip reads a transformers CLIP, --to hf-clip writes one)")
+    mode = "to-hf" if options.target_format else "from-hf" if options.source_format == "hf-clip" else "pickle"
+    hf_only = {"--arch": options.arch, "--activation": options.activation, "--projection-from": options.projection_from}
+    if mode == "pickle":
+        for flag, value in hf_only.items():
+            if value is not None:
+                raise MimaError(f"{flag}: applies to --from hf-clip and --to hf-clip only")
+    elif options.prefix is not None:
+        raise MimaError("--prefix: applies to pickled checkpoints only, not hf-clip")
+    if mode == "to-hf" and options.projection_from is not None:
+        raise MimaError("--projection-from: applies to --from hf-clip only (an open_clip encoder keeps its proj)")
+    return mode
+
+
+def main(options) -> None:
+    mode = _check_options(options)
+    output, source = _output_of(options), options.source
+    if mode == "pickle":
+        prefix = "model.visual." if options.prefix is None else options.prefix
+        if not options.overwrite:
+            refuse_overwrite([output])
+        refuse_input_as_output(output, [source])
+        state = convert_checkpoint(source, prefix)
+        save_state_dict(output, state, metadata={"converted_from": str(source), "prefix": prefix}, overwrite=options.overwrite)
+        print(f"mima convert: {len(state)} tensors from {source} -> {output}")
+    elif mode == "from-hf":
+        if not options.overwrite:
+            refuse_overwrite([output])
+        config_file, weight_files = hf_checkpoint_files(source)
+        projection = [options.projection_from] if options.projection_from is not None else []
+        refuse_input_as_output(output, [*([config_file] if config_file else []), *weight_files, *projection])
+        result = convert_from_hf_clip(source, options.arch, options.projection_from, options.activation)
+        refuse_input_as_output(output, result.inputs)  # the shards of a sharded --projection-from too
+        metadata = {"converted_from": str(source), "format": "hf-clip", "open_clip_arch": result.architecture.name,
+                    "hidden_act": result.activation, "projection_from": str(options.projection_from) if options.projection_from else None}
+        save_state_dict(output, result.state, metadata=metadata, overwrite=options.overwrite)
+        activation = result.activation or "activation not recorded (OpenAI's weights: quick_gelu)"
+        print(f"mima convert: {len(result.state)} tensors from {source} (transformers CLIP) -> {output} "
+              f"(open_clip {result.architecture.name}, {activation})")
+    else:
+        targets = [output] if output.suffix == ".safetensors" else [output / HF_WEIGHTS, output / HF_CONFIG]
+        if output.suffix != ".safetensors" and output.exists() and not output.is_dir():
+            raise MimaError(f"--output {output}: is a file; give a folder name (or a .safetensors file name for the weights alone)")
+        if not options.overwrite:
+            refuse_overwrite(targets)
+        for target in targets:
+            refuse_input_as_output(target, [source])
+        state, config, architecture = convert_to_hf_clip(source, options.arch, options.activation)
+        provenance = {"converted_from": str(source), "open_clip_arch": architecture.name}
+        write_hf_output(output, state, config, provenance, options.overwrite)
+        print(f"mima convert: {len(state)} tensors from {source} (open_clip {architecture.name}) -> {output} "
+              f"(transformers CLIPVisionModelWithProjection, {config['hidden_act']})")

@@ -1,0 +1,147 @@
+"""The results files of a sweep or of one run's evaluation: written together, read back.
+
+With one run per N the files are as they always were:
+    results.json  rows {N, model, task, accuracy, mean_cos_tau}
+    results.csv   N, model, task, accuracy, relative_accuracy, gap, mean_cos_tau, hparams
+    results.md    the summary across N, then one table per N
+With several seeds at some N:
+    results.json  per-run rows {N, model, task, seed, accuracy, mean_cos_tau}, then the aggregate rows
+                  {N, model, task, seed: "mean", seeds: [...], accuracy, accuracy_std, mean_cos_tau,
+                  mean_cos_tau_std} (mean_cos_tau: fine_tuned rows only, as in the per-run rows)
+    results.csv   the columns seed (after task) and accuracy_std (after accuracy) are added; the
+                  aggregate rows have seed "mean"
+    results.md    summary cells "mean ± std" where an N has several seeds; per such N the mean ± std
+                  table, then one table per seed
+    selection.json each entry also names its seed
+The rows and aggregates are mima.evaluation.results', the Markdown mima.evaluation.tables'.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mima.core.files import read_json, write_json_atomic, write_text_atomic
+from mima.core.run_folder import SweepFolder
+from mima.evaluation.results import (
+    MEAN_OVER_SEEDS,
+    ModelResult,
+    fine_tuned_by_run,
+    relative_accuracy,
+    seed_summaries,
+    several_seeds,
+    single_task_gap,
+)
+from mima.evaluation.tables import markdown_text
+
+
+def results_rows(results: Sequence[ModelResult]) -> list[dict]:
+    """The `results.json` contract: one object per (N, model, task|mean); where an N has several
+    seeds, each names its seed and the aggregate rows over seeds (seed "mean") follow."""
+    with_seed = several_seeds(results)
+    rows = []
+    for result in results:
+        cos = result.mean_cos_tau if result.model == "fine_tuned" else None
+        seed = {"seed": result.seed} if with_seed else {}
+        for task, value in result.accuracy.items():
+            rows.append({"N": result.N, "model": result.model, "task": task, **seed, "accuracy": value, "mean_cos_tau": cos})
+        rows.append({"N": result.N, "model": result.model, "task": "mean", **seed, "accuracy": result.mean,
+                     "mean_cos_tau": cos})
+    for summary in seed_summaries(results):
+        cos = summary.mean_cos_tau()
+        for task in [*summary.tasks, "mean"]:
+            mean, std = summary.accuracy(task)
+            rows.append({
+                "N": summary.N, "model": summary.model, "task": task, "seed": MEAN_OVER_SEEDS, "seeds": summary.seeds,
+                "accuracy": mean, "accuracy_std": std,
+                "mean_cos_tau": cos[0] if cos else None, "mean_cos_tau_std": cos[1] if cos else None,
+            })
+    return rows
+
+
+def csv_text(results: Sequence[ModelResult]) -> str:
+    reference = fine_tuned_by_run(results)
+    with_seed = several_seeds(results)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+
+    def row(n, model, task, seed, accuracy: str, std: str, *rest) -> None:
+        cells = [n, model, task, seed, accuracy, std, *rest]
+        writer.writerow(cells if with_seed else [n, model, task, accuracy, *rest])  # the seed columns only with seeds
+
+    row("N", "model", "task", "seed", "accuracy", "accuracy_std", "relative_accuracy", "gap", "mean_cos_tau", "hparams")
+    for result in results:
+        fine_tuned = reference.get((result.N, result.seed))
+        gaps = single_task_gap(result, fine_tuned) if fine_tuned else {}
+        cos = "" if result.mean_cos_tau is None or result.model != "fine_tuned" else f"{result.mean_cos_tau:.4f}"
+        params = json.dumps(result.hparams) if result.hparams else ""
+        seed = "" if result.seed is None else result.seed
+        for task, value in result.accuracy.items():
+            ratio = value / fine_tuned.accuracy[task] if fine_tuned and fine_tuned.accuracy[task] else ""
+            row(result.N, result.model, task, seed, f"{value:.4f}", "", _fmt(ratio), _fmt(gaps.get(task, "")), cos, params)
+        rel = relative_accuracy(result, fine_tuned) if fine_tuned else ""
+        gap = fine_tuned.mean - result.mean if fine_tuned else ""
+        row(result.N, result.model, "mean", seed, f"{result.mean:.4f}", "", _fmt(rel), _fmt(gap), cos, params)
+    for summary in seed_summaries(results):
+        cos = summary.mean_cos_tau()
+        for task in [*summary.tasks, "mean"]:
+            mean, std = summary.accuracy(task)
+            rel, gap = summary.relative(task), summary.gap(task)
+            row(summary.N, summary.model, task, MEAN_OVER_SEEDS, f"{mean:.4f}", f"{std:.4f}",
+                _fmt(rel[0]) if rel else "", _fmt(gap[0]) if gap else "", _fmt(cos[0]) if cos else "", "")
+    return buffer.getvalue()
+
+
+def _fmt(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
+    """The per-run ModelResults of a results folder (results.json, with the choices from
+    selection.json); the aggregate rows over seeds are left out (seed_summaries recomputes them)."""
+    sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
+    rows = read_json(sweep.results_json, expect=list)
+    selection_file = sweep.selection_json
+    chosen = {}
+    if selection_file.is_file():
+        for entry in read_json(selection_file).get("selection", []):
+            chosen[(entry["N"], entry.get("seed"), entry["model"])] = entry
+    results: dict[tuple[int, int | None, str], ModelResult] = {}
+    for row in rows:
+        seed = row.get("seed")  # absent where every N has one run (one seed)
+        if seed == MEAN_OVER_SEEDS:
+            continue
+        key = (int(row["N"]), seed, row["model"])
+        if key not in results:
+            entry = chosen.get(key, {})
+            results[key] = ModelResult(key[0], key[2], {}, row.get("mean_cos_tau"), entry.get("hparams") or {},
+                                       entry.get("validation_accuracy"), seed=seed)
+        if row["task"] != "mean":
+            results[key].accuracy[row["task"]] = float(row["accuracy"])
+    return list(results.values())
+
+
+def write_results(
+    out_dir: Path | SweepFolder, results: Sequence[ModelResult], extra: Mapping[str, object] | None = None,
+    title: str = "Results",
+) -> None:
+    """results.json/.csv/.md and selection.json, each written atomically. results.json comes last and
+    an earlier one is removed first, so that a folder holding results.json holds a complete set
+    written together (`mima evaluate --resume` trusts it; a stop mid-way leaves no results.json)."""
+    sweep = out_dir if isinstance(out_dir, SweepFolder) else SweepFolder(out_dir)
+    sweep.result_file("results.json").unlink(missing_ok=True)
+    write_text_atomic(sweep.result_file("results.csv"), csv_text(results))
+    training = (extra or {}).get("training")  # training_setup's record: stated in results.md's header
+    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title, training=training))
+    with_seed = several_seeds(results)
+    selection = [
+        {"N": r.N, **({"seed": r.seed} if with_seed else {}), "model": r.model, "hparams": r.hparams,
+         "validation_accuracy": r.validation_accuracy}
+        for r in results
+        if r.hparams or r.validation_accuracy is not None
+    ]
+    write_json_atomic(sweep.result_file("selection.json"), {"selection": selection, **(extra or {})})
+    write_json_atomic(sweep.result_file("results.json"), results_rows(results))
