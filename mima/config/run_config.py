@@ -24,7 +24,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from mima.core.errors import MimaError
 from mima.config.model import ModelSettings
-from mima.core.run_folder import RunFolder
+from mima.core.run_folder import RunFolder, read_config_mapping
 from mima.data.settings import DataSettings
 
 SECTIONS = ("model", "data")
@@ -96,18 +96,7 @@ def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfi
     path = folder.path
     if not path.is_file():
         raise MimaError(f"--config {path}: no such file or run folder")
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise MimaError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    except UnicodeDecodeError:
-        raise MimaError(f"--config {path}: not valid YAML (not a text file)") from None
-    except OSError as exc:
-        raise MimaError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
-    if not isinstance(raw, Mapping):
-        raise MimaError(f"--config {path}: expected a mapping with model:, data:, trainer: sections")
+    raw = read_config_mapping(path, f"--config {path}")
     return parse_run_config(raw, f"--config {path}")
 
 

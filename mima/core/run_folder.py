@@ -136,17 +136,7 @@ class RunFolder:
         """config.yaml as plain YAML (typed loading: mima.config.run_config.load_run_config)."""
         if not self.config_file.is_file():
             raise MimaError(f"{self.path}: no config.yaml (is this a `mima fit` run folder?)")
-        try:
-            loaded = yaml.safe_load(self.config_file.read_text())
-        except yaml.YAMLError as exc:
-            raise MimaError(f"{self.config_file}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        except UnicodeDecodeError:
-            raise MimaError(f"{self.config_file}: not valid YAML (not a text file)") from None
-        except OSError as exc:
-            raise MimaError(f"{self.config_file}: cannot be read ({exc.strerror or exc})") from None
-        if not isinstance(loaded, dict):
-            raise MimaError(f"{self.config_file}: expected a mapping with model:, data:, trainer: sections")
-        return loaded
+        return read_config_mapping(self.config_file, str(self.config_file))
 
     def task_order(self) -> list[str]:
         """Tasks in run order (as the metadata of the final checkpoints lists them)."""
@@ -304,3 +294,18 @@ class SweepFolder:
         if not overwrite:
             refuse_overwrite([self.path / name for name in self.RESULT_FILES], what=f"--out {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
+
+
+def read_config_mapping(path: Path, name: str) -> dict:
+    """A YAML run config as a plain mapping; every way it can be unreadable is one line naming `name`."""
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise MimaError(f"{name}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError:
+        raise MimaError(f"{name}: not valid YAML (not a text file)") from None
+    except OSError as exc:
+        raise MimaError(f"{name}: cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(loaded, dict):
+        raise MimaError(f"{name}: expected a mapping with model:, data:, trainer: sections")
+    return loaded

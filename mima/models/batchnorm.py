@@ -5,8 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 
+# torch's public BatchNorm classes (the lazy ones and timm's BatchNormAct2d subclass them)
+BATCHNORM_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
 def batchnorm_layers(module: nn.Module) -> list[nn.Module]:
-    return [layer for layer in module.modules() if isinstance(layer, nn.modules.batchnorm._BatchNorm)]
+    return [layer for layer in module.modules() if isinstance(layer, BATCHNORM_CLASSES)]
 
 
 def freeze_batchnorm_statistics(module: nn.Module) -> nn.Module:

@@ -20,17 +20,12 @@ from lightning.pytorch.loggers import Logger
 METRICS_FILE = "metrics.csv"
 
 
-class RankCSVLogger(Logger):
+class RankLogger(Logger):
+    """A logger of one process writing into its own folder (no versions: one run, one folder)."""
+
     def __init__(self, log_dir: Path) -> None:
         super().__init__()
         self.folder = Path(log_dir)
-        self.pending: list[dict[str, object]] = []  # rows logged since the last save
-        self.columns: list[str] = []
-        self.started = False  # whether this attempt has written the file yet
-
-    @property
-    def name(self) -> str:
-        return "csv"
 
     @property
     def version(self) -> str:
@@ -40,15 +35,27 @@ class RankCSVLogger(Logger):
     def log_dir(self) -> str:
         return str(self.folder)
 
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # config.yaml holds every value
+
+
+class RankCSVLogger(RankLogger):
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir)
+        self.pending: list[dict[str, object]] = []  # rows logged since the last save
+        self.columns: list[str] = []
+        self.started = False  # whether this attempt has written the file yet
+
+    @property
+    def name(self) -> str:
+        return "csv"
+
     @property
     def file(self) -> Path:
         return self.folder / METRICS_FILE
 
     def log_metrics(self, metrics, step=None) -> None:
         self.pending.append({**{key: float(value) for key, value in metrics.items()}, "step": step})
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass  # config.yaml holds every value
 
     def save(self) -> None:
         if not self.pending:
@@ -87,51 +94,39 @@ class RankCSVLogger(Logger):
         os.replace(temporary, self.file)
 
 
-class RankTensorBoardLogger(Logger):
+class RankTensorBoardLogger(RankLogger):
     """TensorBoard event files from every process (Lightning's TensorBoardLogger asserts rank 0), into
     the same per-process folder as the CSV log; used when the `tensorboard` extra is installed:
     `tensorboard --logdir RUN/logs` shows each process's tasks."""
 
     def __init__(self, log_dir: Path) -> None:
-        super().__init__()
-        self._log_dir = Path(log_dir)
-        self._writer = None
+        super().__init__(log_dir)
+        self.writer = None
 
     @property
     def name(self) -> str:
         return "tensorboard"
 
     @property
-    def version(self) -> str:
-        return ""
-
-    @property
-    def log_dir(self) -> str:
-        return str(self._log_dir)
-
-    @property
     def experiment(self):
-        if self._writer is None:
+        if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self._log_dir))
-        return self._writer
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        return self.writer
 
     def log_metrics(self, metrics, step=None) -> None:
         for key, value in metrics.items():
             self.experiment.add_scalar(key, float(value), step)
 
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass  # config.yaml holds every value
-
     def save(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def finalize(self, status: str) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def tensorboard_available() -> bool:
