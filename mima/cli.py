@@ -91,6 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command
         print(f"mima {label}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception:
+        if not _terminations:
+            raise
+        # SIGTERM arrived inside a library call (e.g. safetensors reading a tensor), which reported
+        # the interruption as an error of its own: still a termination, and it unwound the same way
+        print(f"mima {command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0
 
 
@@ -109,7 +116,11 @@ class _Terminated(BaseException):
     """SIGTERM, raised where the program is, so that `finally` blocks run (Python's default just exits)."""
 
 
+_terminations: list[int] = []  # SIGTERMs this process has received
+
+
 def _raise_terminated(signum, frame) -> None:
+    _terminations.append(signum)
     raise _Terminated()
 
 

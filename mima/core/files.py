@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -56,15 +57,20 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
         refuse_overwrite([target])
     if target.is_dir():
         raise MimaError(f"{target}: is a folder; give a file name to write")
+    # SIGINT/SIGTERM wait while the temporary file is made: a handler that raised between its
+    # creation and the `try` below would leave it behind
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
     except OSError as exc:  # a read-only folder, a path through a file, a full disk
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a signal that waited is handled here
         yield tmp
         if fsync:  # the data must be on disk before the rename makes it the file
             with open(tmp, "rb+") as stream:
