@@ -108,7 +108,7 @@ def private_accesses(sources: dict[str, str]) -> list[str]:
                 if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
                     name = node.args[1].value
                     if is_private(name) and (name in FLAGGED_DUNDERS or name not in ours):
-                        report(node, f'{node.func.id}(..., "{name}")')
+                        report(node, name if (module, name) in KNOWN else f'{node.func.id}(..., "{name}")')
     return problems
 
 

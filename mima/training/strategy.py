@@ -23,6 +23,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
@@ -76,7 +77,14 @@ class MimaStrategy(DDPStrategy):
         # mima.training.preemption instead. Lightning offers no public switch for this broadcast
         # (an open proposal, Lightning PR #21640, adds `broadcast_sigterm_every_n_steps`): this is the
         # one private Lightning name mima still touches (tests/test_private_access.py lists it).
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not callable(getattr(epoch_loop, "_broadcast_sigterm_tensor", None)):
+            # a Lightning whose loop changed: the broadcast may be elsewhere now, and would deadlock
+            raise MimaError(
+                f"lightning {lightning.__version__}: its training loop no longer has the per-step SIGTERM broadcast "
+                "that mima switches off; install a tested release (pip install 'lightning>=2.6,<2.7')"
+            )
+        epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     def configure_ddp(self) -> None:
         """Wrap the module in DDP over its task's replicas only; a process alone with its tasks is not
