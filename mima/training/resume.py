@@ -19,7 +19,7 @@ from safetensors import safe_open
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
 from mima.core.run_folder import RunFolder
-from mima.training.checkpoint_format import phase_of, references, saved_states
+from mima.training.checkpoint_format import references, saved_states
 
 RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size", "mode")
 
