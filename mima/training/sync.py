@@ -17,7 +17,7 @@ checkpoint callback: this one changes it, the other stores it (each part tagged 
 belongs to, as immutable per-(task, phase) files) and restores it on resume.
 
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
-before entering it they agree through the rendezvous store whether to sync or to stop
+before entering it they agree through the stop store whether to sync or to stop
 (mima.training.preemption). A stop there leaves the sync pending: the state saved then resumes by
 running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
 in its CSV log, `wait_s` per process in metrics.jsonl).
