@@ -272,3 +272,33 @@ def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, referen
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(tmp_path / "new"), "--ckpt_path",
                                     str(out / CHECKPOINTS)])
     assert "resumes in its own folder" in line
+
+
+def logged_losses(file: Path) -> list[tuple[int, str, float]]:
+    """(step, task, loss) of every train/loss value in a metrics.csv, in file order."""
+    with file.open() as handle:
+        return [(int(row["step"]), key[len("train/loss/"):], float(value)) for row in csv.DictReader(handle)
+                for key, value in row.items() if key.startswith("train/loss/") and value]
+
+
+def test_a_resumed_run_keeps_the_log_from_before_it(tmp_path, small_clip):
+    """The CSV log of a run stopped at step 11 and resumed holds every step once, with the losses of the
+    same run uninterrupted (resuming is bit-identical, so the losses are too)."""
+    def logged_config(name: str, callbacks=()) -> Path:
+        path = write_config(tmp_path / name, small_clip, TWO, 1, callbacks)
+        config = yaml.safe_load(path.read_text())
+        config["trainer"].update(logger=True, log_every_n_steps=1)
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    whole = run_job(logged_config("whole.yaml"), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "run"
+    stopped = run_job(logged_config("stop.yaml", [("TouchStopAtStep", {"step": 11})]), out)
+    assert stopped.returncode == 0 and "stopped by" in stopped.stdout, stopped.stderr[-3000:]
+    assert max(step for step, _, _ in logged_losses(out / "logs" / "metrics.csv")) >= 10  # the first attempt logged
+    resumed = run_job(logged_config("plain.yaml"), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    expected = logged_losses(tmp_path / "whole" / "logs" / "metrics.csv")
+    assert len(expected) == len(TWO) * STEPS  # one loss per step of each task
+    assert sorted(logged_losses(out / "logs" / "metrics.csv")) == sorted(expected)
