@@ -225,30 +225,39 @@ def merge_command(argv: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- evaluate
 def evaluate_command(argv: Sequence[str]) -> None:
     from mima.demo import DEMO_MERGES
-    from mima.sweep import evaluate_runs
+    from mima.evaluate_runs import evaluate_runs, team_for
 
     parser = _OneLineParser(
         prog="mima evaluate",
         description="Evaluate finished `mima fit` runs of the same tasks (typically one per N, or one per N and seed): "
         "theta_0, each task model, and each merge with hyperparameters chosen on the validation splits; writes "
         "results.json/.csv/.md, selection.json and plots. Runs at one N that differ only in the seed also get rows "
-        "with the mean and standard deviation over the seeds.",
+        "with the mean and standard deviation over the seeds. Every result is recorded in --out/cells/ as soon as it "
+        "is known: after a stop (SIGTERM, SIGUSR1, a crash) the same command goes on where it stopped.",
     )
     parser.add_argument("runs", type=Path, nargs="+",
                         help="`mima fit` run folders (one per N and seed; at most one joint run, model.mode: joint, adds a "
                         "`joint` row)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the results table and plots")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results table, plots and cells")
     parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="data-free merge strategies to compare")
     parser.add_argument("--no-select", action="store_true", help="the papers' fixed hyperparameters, no validation search")
-    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
-    parser.add_argument("--resume", action="store_true",
-                        help="write each run's results to RUN/evaluation/ and skip a run whose results there match "
-                        "(same merges, selection and models), then rebuild --out from them, replacing it; a stopped "
-                        "or requeued evaluation redoes only what is missing")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an evaluation of other runs or another configuration already in --out")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="processes, one device (GPU, or CPU core) each, that share the work (default 1; under "
+                        "srun: one per task)")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "16-mixed"), default=None,
+                        help="default: bf16-mixed on a GPU, 32-true on the CPU")
+    parser.add_argument("--val-examples", type=int, default=None, metavar="K",
+                        help="choose hyperparameters on a fixed random subset of K validation examples per task "
+                        "(the test split is always whole)")
     options = parser.parse_args(argv)
+    if options.val_examples is not None and options.val_examples <= 0:
+        parser.error(f"--val-examples {options.val_examples}: expected a positive number of examples per task")
+    team = team_for(options.devices, argv)
     with no_empty_folder_left(options.out):
         evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
-                      resume=options.resume)
+                      precision=options.precision, val_examples=options.val_examples, team=team)
 
 
 # ---------------------------------------------------------------------------- convert

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
 from mima.core.subsets import first_examples
 from mima.data.tasks import TaskData
-from mima.evaluation.accuracy import TaskEvaluator
+from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
 from mima.merging.engine import expand_models
 from mima.models.classifier import classify
 from mima.models.clip import default_cache_dir, load_clip
@@ -48,7 +48,7 @@ class TaskPool:
     splits: dict[str, TaskData]
     seed: int = 0
     config: RunConfig | None = None
-    _evaluators: dict[str, TaskEvaluator] = field(default_factory=dict)
+    _evaluators: dict[tuple, TaskEvaluator] = field(default_factory=dict)
 
     def loader(self, task: str, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
@@ -64,11 +64,27 @@ class TaskPool:
         features = functional_call(self.encoder, dict(weights), (images,))
         return classify(nn.Identity(), self.heads[task], features)
 
-    def evaluator(self, split: str) -> TaskEvaluator:
-        if split not in self._evaluators:
+    def evaluator(self, split: str, settings: EvalSettings | None = None, examples: int | None = None) -> TaskEvaluator:
+        """An evaluator of every task's `split`; with `examples`, of a fixed random subset of that many
+        examples per task (`fixed_subset`; the whole split where it is smaller)."""
+        key = (split, settings, examples)
+        if key not in self._evaluators:
             datasets = {task: getattr(self.splits[task], split) for task in self.tasks}
-            self._evaluators[split] = TaskEvaluator(self.encoder, self.heads, datasets)
-        return self._evaluators[split]
+            if examples is not None:
+                datasets = {task: fixed_subset(dataset, examples) for task, dataset in datasets.items()}
+            self._evaluators[key] = TaskEvaluator(self.encoder, self.heads, datasets, settings=settings)
+        return self._evaluators[key]
+
+
+SUBSET_SEED = 0  # --val-examples: the same examples in every run, process and session
+
+
+def fixed_subset(dataset: Dataset, examples: int) -> Dataset:
+    """`examples` examples of `dataset` drawn with a fixed seed (in index order), or all of it if smaller."""
+    if examples >= len(dataset):
+        return dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SUBSET_SEED))
+    return Subset(dataset, sorted(order[:examples].tolist()))
 
 
 def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> TaskPool:

@@ -58,7 +58,7 @@ wrapper=()
 if [[ "${MIMA_ONE_GPU_PER_TASK:-0}" == 1 ]]; then
   wrapper=(bash "$(dirname "${BASH_SOURCE[0]}")/one_gpu_task.sh")
 fi
-srun "${srun_options[@]}" "${wrapper[@]}" mima fit \
+srun ${srun_options[@]+"${srun_options[@]}"} ${wrapper[@]+"${wrapper[@]}"} mima fit \
   --config "${MIMA_CONFIG}" \
   --trainer.accelerator "${MIMA_ACCELERATOR:-gpu}" \
   --trainer.devices "${tasks_per_node}" \

@@ -31,11 +31,11 @@ read -r -a fit_extra <<< "${MIMA_FIT_SBATCH:-}"
 read -r -a eval_extra <<< "${MIMA_EVAL_SBATCH:-}"
 count=$(( ${#iterations[@]} * (${#seeds[@]} > 0 ? ${#seeds[@]} : 1) ))
 
-array_id="$(sbatch --parsable --array="0-$(( count - 1 ))" "${sbatch_options[@]}" "${fit_extra[@]}" \
+array_id="$(sbatch --parsable --array="0-$(( count - 1 ))" ${sbatch_options[@]+"${sbatch_options[@]}"} ${fit_extra[@]+"${fit_extra[@]}"} \
   "${here}/sweep_n.sbatch" "$@")"
 array_id="${array_id%%;*}"  # --parsable prints "id" or "id;cluster"
 eval_id="$(sbatch --parsable --dependency="afterok:${array_id}" --kill-on-invalid-dep=yes \
-  "${sbatch_options[@]}" "${eval_extra[@]}" "${here}/evaluate_sweep.sbatch")"
+  ${sbatch_options[@]+"${sbatch_options[@]}"} ${eval_extra[@]+"${eval_extra[@]}"} "${here}/evaluate_sweep.sbatch")"
 eval_id="${eval_id%%;*}"
 echo "mima sweep: fit array job ${array_id} (${count} runs: N in ${iterations[*]}${seeds:+; seeds ${seeds[*]}})"
 echo "mima sweep: evaluation job ${eval_id} (starts when array ${array_id} has succeeded)"

@@ -44,7 +44,7 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-COMMAND_MODULES = {"mima.sweep", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch"}
+COMMAND_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch"}
 # packages that belong to the commands layer whole: the package and every module in it
 COMMAND_PACKAGES = {"mima.convert"}
 

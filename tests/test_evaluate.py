@@ -1,11 +1,13 @@
 """`mima evaluate`: the results table of finished runs, checked against a hand-made evaluation; the
-mean and standard deviation over seeds against hand numbers; `--resume` redoing only what is missing."""
+mean and standard deviation over seeds against hand numbers; a second run finding every cell done.
+(tests/test_evaluate_cells.py: stops, kills, several processes, precision, validation subsets.)"""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
 import shutil
 import time
 
@@ -186,9 +188,9 @@ def _uniform_hand_accuracies(run_dir) -> dict[str, float]:
     return {task: _hand_accuracy(context.encoder, context.heads[task], context.splits[task].test) for task in TASKS}
 
 
-def test_evaluate_over_seeds_resumes_and_matches_a_hand_computation(seed_runs, tmp_path, capsys):
+def test_evaluate_over_seeds_goes_on_from_its_cells_and_matches_a_hand_computation(seed_runs, tmp_path, capsys):
     out = tmp_path / "table"
-    argv = ["evaluate", *map(str, seed_runs), "--out", str(out), "--merges", "uniform", "--resume"]
+    argv = ["evaluate", *map(str, seed_runs), "--out", str(out), "--merges", "uniform"]
     assert main(argv) == 0
     assert "N=1, seed 1: cos(tau)" in capsys.readouterr().out
     rows = json.loads((out / "results.json").read_text())
@@ -196,33 +198,31 @@ def test_evaluate_over_seeds_resumes_and_matches_a_hand_computation(seed_runs, t
     for task in TASKS:
         a, b = hand[0][task], hand[1][task]
         per_run = {r["seed"]: r["accuracy"] for r in rows if (r["model"], r["task"]) == ("uniform", task)}
-        assert abs(per_run[0] - a) < 1e-6 and abs(per_run[1] - b) < 1e-6  # float32 from torchmetrics
+        assert abs(per_run[0] - a) < 1e-6 and abs(per_run[1] - b) < 1e-6  # float32, as torchmetrics divides
         # two seeds: mean (a + b) / 2, sample standard deviation |a - b| / sqrt(2)
         assert abs(per_run["mean"] - (a + b) / 2) < 1e-6
         aggregate = next(r for r in rows if (r["model"], r["task"], r["seed"]) == ("uniform", task, "mean"))
         assert aggregate["seeds"] == [0, 1] and abs(aggregate["accuracy_std"] - abs(a - b) / math.sqrt(2)) < 1e-6
     assert any(r["accuracy_std"] > 0 for r in rows if r["seed"] == "mean")  # the seeds trained different models
-    own = [run / "evaluation" / "results.json" for run in seed_runs]
-    for seed, path in enumerate(own):  # each run's own table: its rows of the combined one, no seed needed
-        assert json.loads(path.read_text()) == [{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed]
+    # cells per run: zero_shot (counted once), fine_tuned, uniform on each task's test split, and the geometry
+    expected_cells = len(TASKS) + 2 * (2 * len(TASKS) + 1)
 
-    # Again: nothing is evaluated, the table is rebuilt from the runs' own results.
-    stamps = [path.stat().st_mtime_ns for path in own]
+    # Again: every cell is found, nothing is evaluated, the same table is written.
     assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("reused") == 2 and ": cos(tau)" not in printed
-    assert [path.stat().st_mtime_ns for path in own] == stamps
+    assert f"{expected_cells} cells already done" in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text()) == rows
-    # A job stopped while it evaluated seed 1 (its results.json, written last, is missing): only seed 1 again.
-    own[1].unlink()
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("reused") == 1 and "N=1, seed 1: cos(tau)" in printed and "seed 0: cos" not in printed
-    assert json.loads((out / "results.json").read_text()) == rows
-    # Other merges: the earlier results do not answer them, both runs are evaluated again.
-    assert main([*argv[:-2], "uniform", "task_arithmetic", "--no-select", "--resume"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("written for other merges") == 2 and "reused" not in printed
+    # Other merges: another evaluation, refused in one line; --overwrite replaces it.
+    other = [*argv[:-1], "uniform", "task_arithmetic", "--no-select"]
+    assert main(other) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds the evaluation of another configuration (merges:" in err[0], err
+    assert main([*other, "--overwrite"]) == 0
+    assert "cells already done" not in capsys.readouterr().out
+    # A run trained again since: its files changed, the folder belongs to other runs now.
+    final = seed_runs[0] / "final" / f"{TASKS[0]}.safetensors"
+    os.utime(final, ns=(final.stat().st_atime_ns, final.stat().st_mtime_ns + 1))
+    assert main(other) == 2
+    assert "holds the evaluation of other runs" in capsys.readouterr().err
 
 
 def test_evaluate_refuses_runs_that_differ_in_more_than_the_seed(seed_runs, tmp_path, capsys):

@@ -162,7 +162,7 @@ def test_cart_matrix_keys_select_only_attention_and_mlp_weights():
 # ----------------------------------------------------------------------- registry, selection
 def test_registry_errors_are_clear():
     base, models = _models(2)
-    with pytest.raises(MimaError, match="unknown merge method 'avg' \\(known: adamerging, "):
+    with pytest.raises(MimaError, match="unknown merge method 'avg' \\(known: ace, adamerging, "):
         get_method("avg")
     with pytest.raises(MimaError, match="merge method 'uniform' takes no hyperparameter 'lam'"):
         get_method("uniform")(models, lam=0.3)

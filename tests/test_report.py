@@ -8,7 +8,7 @@ import re
 import pytest
 
 from mima.cli import main
-from mima.sweep import evaluate_runs
+from mima.evaluate_runs import evaluate_runs
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
 

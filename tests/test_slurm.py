@@ -219,8 +219,8 @@ SWEEP_MODELS = ("zero_shot", "fine_tuned", "uniform", "task_arithmetic", "ties",
 def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, small_clip):
     """slurm/submit_sweep.sh as a user runs it, with the GPU site settings overridden for this CPU
     cluster: a fit-only array over N in {1, 8} and seeds {0, 1}, each run in <config>-N<n>-seed<s>/,
-    then the evaluation job (afterok on the array): every run's RUN/evaluation/ and the combined
-    table, whose rows over seeds are checked by hand; submitted again, it reuses every run's results."""
+    then the evaluation job (afterok on the array): the combined table, whose rows over seeds are
+    checked by hand; submitted again, it finds every cell done and writes the same table."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({
         "seed_everything": 0,
@@ -236,7 +236,7 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
         "MIMA_ITERATIONS": "1 8", "MIMA_SEEDS": "0 1",
         # one process per element lets two elements run at once on this 2-CPU cluster
         "MIMA_FIT_SBATCH": f"--ntasks-per-node=1 --cpus-per-task=1 --output={work}/slurm-%A_%a.out",
-        "MIMA_EVAL_SBATCH": f"--cpus-per-task=2 --output={work}/slurm-eval-%j.out",
+        "MIMA_EVAL_SBATCH": f"--ntasks-per-node=1 --cpus-per-task=2 --output={work}/slurm-eval-%j.out",
     }
     # --gres=none drops the scripts' GPU request (this cluster has no GRES); the partition replaces theirs
     submitted = slurm.run("bash", str(REPO / "slurm" / "submit_sweep.sh"), f"--chdir={work}", "--partition=debug",
@@ -256,8 +256,6 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
         written = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert (written["model"]["iterations"], written["seed_everything"], written["data"]["seed"]) == (n, seed, seed)
         assert all((run_dir / "final" / f"{task}.safetensors").is_file() for task in TASKS)
-        own = json.loads((run_dir / "evaluation" / "results.json").read_text())  # one run: no seed column
-        assert {row["N"] for row in own} == {n} and len(own) == len(SWEEP_MODELS) * (len(TASKS) + 1)
     rows = json.loads((runs / "tiny-sweep" / "results.json").read_text())
     per_run = {(r["N"], r["seed"], r["model"], r["task"]): r["accuracy"] for r in rows if r["seed"] != "mean"}
     assert set(per_run) == {(n, seed, model, task) for n in (1, 8) for seed in (0, 1) for model in SWEEP_MODELS
@@ -273,13 +271,14 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
         assert math.isclose(row["accuracy_std"], abs(a - b) / math.sqrt(2), abs_tol=1e-12)
     assert any(row["accuracy_std"] > 0 for row in aggregate.values())  # the seeds trained different models
 
-    # The evaluation submitted again (as after a preemption): every run's results are taken as they are.
+    # The evaluation submitted again (as after a preemption): every cell is found, none is evaluated again.
     again = slurm.run("sbatch", "--parsable", f"--chdir={work}", "--partition=debug", "--gres=none",
-                      "--cpus-per-task=2", f"--output={work}/slurm-eval-%j.out", str(REPO / "slurm" / "evaluate_sweep.sbatch"),
+                      "--ntasks-per-node=1", "--cpus-per-task=2", f"--output={work}/slurm-eval-%j.out", str(REPO / "slurm" / "evaluate_sweep.sbatch"),
                       cwd=REPO, extra_env=environment).stdout.strip().split(";")[0]
     _drive_to_completion(slurm, again, timeout=300)
     log = (work / f"slurm-eval-{again}.out").read_text()
-    assert log.count("reused") == 4 and ": cos(tau)" not in log, log[-3000:]
+    cells = sum(path.read_text().count("\n") for path in (runs / "tiny-sweep" / "cells").glob("*.jsonl"))
+    assert f"{cells} cells already done" in log, log[-3000:]
     assert json.loads((runs / "tiny-sweep" / "results.json").read_text()) == rows
 
 
@@ -396,7 +395,7 @@ def test_sweep_evaluation_finds_the_runs_by_name(tmp_path):
     runs = tmp_path / "runs"
     for name in ("tiny-N1-seed3", "tiny-N1-seed5", "tiny-N2-seed3", "tiny-N16-seed3", "other-N1-seed3"):
         (runs / name).mkdir(parents=True)
-    expected_tail = ["--out", str(runs / "tiny-sweep"), "--merges", "uniform", "ties", "--resume"]
+    expected_tail = ["--out", str(runs / "tiny-sweep"), "--merges", "uniform", "ties"]
 
     seeded = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="1 2", MIMA_SEEDS="3", MIMA_MERGES="uniform ties")
     assert seeded.returncode == 0, seeded.stderr
@@ -409,3 +408,27 @@ def test_sweep_evaluation_finds_the_runs_by_name(tmp_path):
         "evaluate", str(runs / "tiny-N1-seed3"), str(runs / "tiny-N1-seed5"), str(runs / "tiny-N2-seed3"), *expected_tail]
     missing = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="1 4")
     assert missing.returncode == 2 and "no run folder" in missing.stderr and "N=4" in missing.stderr
+
+
+# ------------------------------------------------------------------- bash 4.2 (RHEL 7) safety
+UNGUARDED_ARRAY = re.compile(r'(?<!\+)"\$\{(\w+)\[[@*]\]\}"')
+
+
+def unguarded_array_expansions(text: str) -> list[str]:
+    """`"${name[@]}"` outside the `${name[@]+"${name[@]}"}` guard: under `set -u`, bash before 4.4
+    (RHEL/CentOS 7 ship 4.2) stops with "unbound variable" when the array is empty."""
+    found = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("#"):
+            continue
+        found += [f"line {number}: {match.group(0)}" for match in UNGUARDED_ARRAY.finditer(line)]
+    return found
+
+
+def test_the_scripts_expand_no_possibly_empty_array_unguarded():
+    scripts = sorted((REPO / "slurm").glob("*.sh")) + sorted((REPO / "slurm").glob("*.sbatch"))
+    assert len(scripts) >= 8
+    problems = {script.name: unguarded_array_expansions(script.read_text()) for script in scripts}
+    assert {name: lines for name, lines in problems.items() if lines} == {}
+    # the check itself: an unguarded expansion is found, the guarded form and comments are not
+    assert unguarded_array_expansions('srun "${opts[@]}" x\n# "${a[@]}"\nsrun ${b[@]+"${b[@]}"}') == ['line 1: "${opts[@]}"']

@@ -1,28 +1,105 @@
-"""Top-1 accuracy of an image encoder on tasks, each against its own frozen zero-shot head."""
+"""Top-1 accuracy of an image encoder on tasks, each against its own frozen zero-shot head.
+
+What is counted is the number of correct predictions and the number of examples of a (task, split):
+integers, so that results computed by several processes, or over several sessions, add up exactly.
+The accuracy is derived from them as torchmetrics' MulticlassAccuracy (micro) computes it: the two
+counts as float32, divided in float32 (`accuracy_of`; tests/test_evaluate.py checks the equality).
+
+The evaluation loop keeps its running count on the device and reads it once per task: no host
+synchronisation per batch. It runs in the precision given (`EvalSettings.precision`): "32-true"
+(float32; TF32 matmuls are allowed on CUDA) or "bf16-mixed"/"16-mixed" (autocast), and stops
+between two batches when `should_stop` says so (a SIGTERM or SIGUSR1 seen by `mima evaluate`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torchmetrics.classification import MulticlassAccuracy
 
+from mima.core.errors import MimaError
 from mima.models.classifier import classify
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+Counts = tuple[int, int]  # (correct, total)
+
+
+class EvaluationStopped(Exception):
+    """Raised between two batches when a stop was requested; what was finished before is kept."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How the evaluation loop runs (none of it changes a float32 result).
+
+    precision: "32-true", "bf16-mixed" or "16-mixed" (autocast on the encoder's device).
+    batch_size: images per forward pass.
+    num_workers: DataLoader worker processes (persistent between passes over the same split).
+    pin_memory: page-locked host batches, copied to the device without blocking (CUDA only).
+    """
+
+    precision: str = "32-true"
+    batch_size: int = 512
+    num_workers: int = 0
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise MimaError(f"--precision: '{self.precision}' is none of {', '.join(PRECISIONS)}")
+        if self.batch_size < 1 or self.num_workers < 0:
+            raise MimaError(f"evaluation batch size {self.batch_size} / workers {self.num_workers}: expected >= 1 / >= 0")
+
+    def loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
+
+
+def default_precision(device: torch.device) -> str:
+    """bf16-mixed on a GPU (the evaluation is bound by the forward passes), float32 on the CPU."""
+    return "bf16-mixed" if device.type == "cuda" else "32-true"
+
+
+def accuracy_of(correct: int, total: int) -> float:
+    """correct / total as torchmetrics' micro accuracy computes it (float32 counts, float32 division)."""
+    if total <= 0:
+        return 0.0
+    return float(torch.tensor(correct, dtype=torch.float32) / torch.tensor(total, dtype=torch.float32))
 
 
 @torch.no_grad()
-def task_accuracy(encoder: nn.Module, head: torch.Tensor, loader: DataLoader) -> float:
+def count_correct(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, precision: str = "32-true",
+                  should_stop: Callable[[], bool] | None = None) -> Counts:
+    """(correct, total) of the encoder with `head` over `loader`; the count stays on the device
+    until the end (one host synchronisation per call)."""
     device = next(encoder.parameters()).device
-    metric = MulticlassAccuracy(num_classes=head.shape[0], average="micro").to(device)
+    head = head.to(device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    total = 0
     was_training = encoder.training
     encoder.eval()
-    for images, labels in loader:
-        logits = classify(encoder, head.to(device), images.to(device))
-        metric.update(logits, labels.to(device))
-    encoder.train(was_training)
-    return float(metric.compute())
+    autocast = (torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
+                else contextlib.nullcontext())
+    try:
+        for images, labels in loader:
+            if should_stop is not None and should_stop():
+                raise EvaluationStopped()
+            with autocast:
+                logits = classify(encoder, head, images.to(device, non_blocking=True))
+            correct += (logits.argmax(dim=1) == labels.to(device, non_blocking=True)).sum()
+            total += int(labels.shape[0])
+    finally:
+        encoder.train(was_training)
+    return int(correct), total
+
+
+@torch.no_grad()
+def task_accuracy(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, precision: str = "32-true") -> float:
+    return accuracy_of(*count_correct(encoder, head, loader, precision))
 
 
 class TaskEvaluator:
@@ -34,19 +111,32 @@ class TaskEvaluator:
         heads: Mapping[str, torch.Tensor],
         datasets: Mapping[str, Dataset],
         batch_size: int = 512,
+        settings: EvalSettings | None = None,
     ) -> None:
         self.encoder = encoder
         self.heads = dict(heads)
-        self.loaders = {name: DataLoader(ds, batch_size=batch_size) for name, ds in datasets.items()}
+        self.settings = settings if settings is not None else EvalSettings(batch_size=batch_size)
+        self.loaders = {name: self.settings.loader(ds) for name, ds in datasets.items()}
 
     def load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load weights strictly: a merged state dict must fit the encoder exactly."""
         self.encoder.load_state_dict(state_dict, strict=True)
 
-    def accuracy(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None) -> dict[str, float]:
+    def counts(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None,
+               on_task: Callable[[str, Counts], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> dict[str, Counts]:
+        """(correct, total) per task; `on_task` hears each task's counts as soon as they are known."""
         self.load(state_dict)
-        names = tasks if tasks is not None else list(self.loaders)
-        return {name: task_accuracy(self.encoder, self.heads[name], self.loaders[name]) for name in names}
+        found = {}
+        for name in tasks if tasks is not None else list(self.loaders):
+            found[name] = count_correct(self.encoder, self.heads[name], self.loaders[name], self.settings.precision,
+                                        should_stop)
+            if on_task is not None:
+                on_task(name, found[name])
+        return found
+
+    def accuracy(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None) -> dict[str, float]:
+        return {name: accuracy_of(*counts) for name, counts in self.counts(state_dict, tasks).items()}
 
     def mean_accuracy(self, state_dict: Mapping[str, torch.Tensor]) -> float:
         scores = self.accuracy(state_dict)

@@ -10,6 +10,7 @@ Modules here import only mima.core and mima.merging; data-dependent strategies a
 """
 
 from mima.merging import (  # noqa: F401  (registration)
+    ace,
     adamerging,
     breadcrumbs,
     cart,
@@ -27,6 +28,7 @@ from mima.merging import (  # noqa: F401  (registration)
     model_stock,
     regmean,
     regmean_plus_plus,
+    svc,
     tall,
     task_arithmetic,
     ties,

@@ -66,6 +66,25 @@ def _regex(value) -> bool:
     return True
 
 
+def _registered_name(value) -> bool:
+    # read at call time: the registry below is filled as the strategies' modules are imported
+    return isinstance(value, str) and value in MERGE_METHODS
+
+
+# one `name=value` pair of a nested setting (SVC's inner_hparams); the value may hold spaces (many values)
+_PAIR = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_-]*\s*=\s*[^,=\s][^,=]*")
+
+
+def _name_value_pairs(value) -> bool:
+    """'' or 'name=value,name=value' (the syntax only: the names and values are checked against the
+    method they configure), or a mapping from names to values (the Python API)."""
+    if isinstance(value, Mapping):
+        return all(isinstance(name, str) for name in value)
+    if not isinstance(value, str):
+        return False
+    return value.strip() == "" or all(_PAIR.fullmatch(pair) for pair in value.split(","))
+
+
 def _non_negative_or_per_task(value) -> bool:
     if isinstance(value, (list, tuple)):
         return len(value) > 0 and all(_finite(x) and x >= 0 for x in value)
@@ -176,6 +195,20 @@ HYPERPARAMETERS: dict[str, Hyperparameter] = {
         Hyperparameter("epsilon", "a number in [0, 0.5)",
                        "DELLA: half-width of the keep probabilities, density - epsilon (smallest magnitude of a row) "
                        "to density + epsilon (largest)", lambda v: _finite(v) and 0 <= v < 0.5, float),
+        Hyperparameter("ace_epsilon", "a non-negative number",
+                       "ACE-Merging: ridge eps added to each task's estimated covariance (divided by its trace in "
+                       "heterogeneous layers)", lambda v: _finite(v) and v >= 0, float),
+        Hyperparameter("ace_rank_fraction", "a fraction of the rank, in [0, 1]",
+                       "ACE-Merging: share of the spectrum whose mean singular value makes the isotropic refinement "
+                       "of heterogeneous layers", lambda v: _finite(v) and 0 <= v <= 1, float),
+        Hyperparameter("inner_merge", "the name of a registered merge method",
+                       "SVC: the data-free merge whose result is calibrated", _registered_name, str),
+        Hyperparameter("inner_hparams", "'' or comma-separated name=value pairs (e.g. 'lam=0.3,k=20')",
+                       "SVC: hyperparameters of the inner merge (the others at its defaults); a many-valued one "
+                       "takes its values separated by spaces", _name_value_pairs, str),
+        Hyperparameter("svc_alpha", "a positive number",
+                       "SVC: floor alpha of each task's projection coefficient; singular value r is divided by "
+                       "mean_t max(alpha, c_r^t)", lambda v: _finite(v) and v > 0, float),
     )
 }
 
@@ -227,6 +260,9 @@ class MergeMethod:
     # uses(values) -> the hyperparameters that a full setting actually uses (None: all of them).
     # Only those are passed to the strategy; giving another is an error.
     uses: Callable[[Mapping[str, object]], Collection[str]] | None = None
+    # validate(values, spell) refuses, in one line, a full setting whose values are each valid but not
+    # together or not against the registry (SVC: its inner merge and that merge's own setting)
+    validate: Callable[[Mapping[str, object], Callable[[str], str]], None] | None = None
     # Fewer task models is an error, never a quiet merge: a merge of one model is that model.
     min_models: int = 2
 
@@ -256,6 +292,8 @@ class MergeMethod:
             spec = HYPERPARAMETERS[name]
             if not spec.accepts(values[name]):
                 raise MimaError(f"merge method '{self.name}': {spell(name)} must be {spec.meaning}, got {values[name]!r}")
+        if self.validate is not None:
+            self.validate(values, spell)
         if self.uses is None:
             return values
         used = set(self.uses(values))
@@ -313,16 +351,20 @@ class MergeMethod:
         if self.needs_data:
             raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
         checked = self.check(models, base, allow_non_finite, **given)
-        values = dict(checked.values)
-        if self.stream_fn is not None:
-            items = self.stream_fn(checked.models, checked.base, **values)
-        else:
-            lam = values.pop("lam")
-            items = (
-                (key, combine_tensor(anchor, direction, lam))
-                for key, anchor, direction in self.scaled_fn(checked.models, checked.base, **values)
-            )
+        items = self.run(checked.models, checked.base, checked.values)
         return refusing_linalg_errors(self.name, items) if allow_non_finite else items
+
+    def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
+        """The merge, one (key, tensor) at a time, of inputs and a full setting that `check` already
+        passed (a data-free strategy); `stream` is the checked entry point, SVC runs its inner merge so."""
+        values = dict(values)
+        if self.stream_fn is not None:
+            return self.stream_fn(models, base, **values)
+        lam = values.pop("lam")
+        return (
+            (key, combine_tensor(anchor, direction, lam))
+            for key, anchor, direction in self.scaled_fn(models, base, **values)
+        )
 
     def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
               **given) -> MergeOutput:

@@ -341,7 +341,7 @@ def _finished(run: RunFolder, tasks: list[str], mode: str) -> bool:
     return all(run.final_metadata_file(name).is_file() for name in names)
 
 
-def requeue_slurm_job() -> None:
+def requeue_slurm_job(command: str = "mima fit") -> None:
     """Put the SLURM job back in the queue; it restarts under the same $SLURM_JOB_ID and resumes."""
     if not SLURMEnvironment.detect():
         return
@@ -349,6 +349,6 @@ def requeue_slurm_job() -> None:
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode:
-        print(f"mima fit: scontrol requeue {job} failed: {result.stderr.strip()}")
+        print(f"{command}: scontrol requeue {job} failed: {result.stderr.strip()}")
     else:
-        print(f"mima fit: requeued SLURM job {job}")
+        print(f"{command}: requeued SLURM job {job}")
