@@ -7,7 +7,7 @@ import pytest
 from mima.data.sampler import PhaseBatchSampler, TaskStream
 from mima.core.errors import MimaError
 from mima.training.lr_schedule import lr_factor
-from mima.core.plan import PhasePlan, check_budget
+from mima.core.plan import PhasePlan, check_budget, phase_lengths
 
 
 def test_positions_walk_phases_then_tasks():
@@ -95,3 +95,28 @@ def test_segment_warmup_ramps_every_segment_on_top_of_the_run_schedule():
     first_phase = [0.5 * ramp[0], 1.0 * ramp[1], *ramp[2:]]  # the run's warm-up: task steps 0 and 1
     assert factors == pytest.approx(first_phase * 2 + ramp * 2)  # a, b in phase 1; a, b in phase 2
     assert [lr_factor(plan, s, "constant", "run", warmup=2) for s in range(5)] == pytest.approx([0.5, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("lengths, local", [((5, 5, 5), (0, 1)), ((1, 2, 4, 8), (0, 2, 3)), ((7, 3), (1,))])
+def test_a_plan_with_phase_lengths_walks_every_segment_in_order(lengths, local):
+    """Every process step against a hand-written walk: phase by phase, each local task K_phase steps."""
+    plan = PhasePlan(("a", "b", "c", "d"), local, sum(lengths), len(lengths), lengths)
+    expected, start = [], 0
+    for phase, k in enumerate(lengths):
+        for slot in range(len(local)):
+            expected += [(phase, slot, i, start + i, i == k - 1, i == k - 1 and slot == len(local) - 1) for i in range(k)]
+        start += k
+    walked = [(p.phase, p.slot, p.step_in_phase, p.task_step, plan.ends_segment(step), plan.ends_phase(step))
+              for step in range(plan.local_steps) for p in [plan.position(step)]]
+    assert walked == expected
+
+
+def test_geometric_phase_lengths_sum_to_s_and_grow_by_the_ratio():
+    for total, n, ratio in [(320, 4, 2.0), (2000, 20, 1.1), (2000, 8, 0.5), (100, 3, 1.0)]:
+        lengths = phase_lengths(total, n, "geometric", ratio)
+        assert sum(lengths) == total and len(lengths) == n and min(lengths) >= 1
+        ideal = [total * ratio ** i / sum(ratio ** j for j in range(n)) for i in range(n)]
+        assert all(abs(k - x) < 1 for k, x in zip(lengths, ideal))  # rounding moves no phase by a whole step
+    assert phase_lengths(320, 4) == (80, 80, 80, 80)
+    with pytest.raises(MimaError, match="the shortest phase gets no step"):
+        phase_lengths(10, 8, "geometric", 3.0)

@@ -9,16 +9,17 @@ the same options with the same defaults, and make the same checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from mima.core.errors import MimaError
-from mima.core.plan import check_budget
+from mima.core.plan import phase_lengths
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
 ScheduleScope = Literal["run", "phase"]
 OptimizerState = Literal["reset", "keep"]
 TrainingMode = Literal["mima", "joint"]
+PhaseSchedule = Literal["equal", "geometric"]
 BatchNormMode = Literal["frozen", "train"]
 
 
@@ -72,6 +73,15 @@ class ModelSettings:
             keeping them (open_clip's `set_grad_checkpointing`: ViT towers and timm models), for
             large towers at large batches (ViT-L/14 at batch 128); the same weights, about a third
             more compute. A tower without the switch is an error, not a silent no-op.
+        sync_merge: the phase-end operator (mima.training.sync_merge): "uniform" (default: MIMA's
+            average) or the name of any data-free merge of mima.merging (`mima merge --method`), applied to the tasks'
+            end weights with theta_0 as the base at every sync; "task_arithmetic" with a fixed lam
+            is ATM (arXiv 2411.03055).
+        sync_merge_args: that merge's hyperparameters (e.g. {lam: 0.3}); its defaults otherwise.
+        phase_schedule: "equal" (default): every phase K = S / N steps per task; "geometric": each
+            phase `phase_ratio` times as long as the one before, the lengths summing to S
+            (mima.core.plan.phase_lengths; S need not be a multiple of N).
+        phase_ratio: the geometric schedule's factor (> 1: short phases first; < 1: long ones first).
     """
 
     clip: str = "ViT-B-32"
@@ -91,17 +101,21 @@ class ModelSettings:
     segment_warmup_steps: int = 0
     probe_shots: int | None = None
     grad_checkpointing: bool = False
+    sync_merge: str = "uniform"
+    sync_merge_args: dict[str, Any] | None = None
+    phase_schedule: PhaseSchedule = "equal"
+    phase_ratio: float = 2.0
 
     def __post_init__(self) -> None:
-        check_budget(self.steps, self.iterations)
+        lengths = phase_lengths(self.steps, self.iterations, self.phase_schedule, self.phase_ratio)
         if self.lr <= 0:
             raise MimaError(f"model.lr must be positive, got {self.lr}")
         if self.warmup_steps < 0:
             raise MimaError(f"model.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.probe_shots is not None and self.probe_shots < 1:
             raise MimaError(f"model.probe_shots must be a positive number of images per class, got {self.probe_shots}")
-        steps_per_phase = self.steps // self.iterations
+        steps_per_phase = min(lengths)
         if self.segment_warmup_steps < 0 or self.segment_warmup_steps > steps_per_phase:
             raise MimaError(
-                f"model.segment_warmup_steps must be in 0 .. K = {steps_per_phase} (steps per phase), got {self.segment_warmup_steps}"
+                f"model.segment_warmup_steps must be in 0 .. K = {steps_per_phase} (steps per phase, the shortest), got {self.segment_warmup_steps}"
             )

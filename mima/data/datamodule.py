@@ -44,6 +44,7 @@ class TrainingSetup:
     mode: str = "mima"  # "joint": one model trained on every task's batch at every step
     preprocess_train: Callable | None = None  # for the training splits of suites of PIL images
     accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches of data.batch_size per optimiser step
+    lengths: tuple[int, ...] = ()  # K_1 .. K_N (mima.core.plan.phase_lengths); empty: equal phases
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
                 local_tasks=layout.local_tasks(setup.rank),
                 total_steps=setup.steps,
                 iterations=setup.iterations,
+                lengths=setup.lengths,
             )
             head_tasks = plan.local_tasks
         self._setup = setup

@@ -28,6 +28,7 @@ class PhaseAverage:
     average: StateDict  # on the communication device, in the tensors' own dtypes
     gram_tau: torch.Tensor  # [T, T] float64
     gram_delta: torch.Tensor  # [T, T] float64
+    task_states: list[StateDict] | None = None  # with keep_tasks: every task's end weights (CPU, task order)
 
 
 def distributed_world() -> int:
@@ -59,15 +60,22 @@ def average_phase(
     previous_average: Mapping[str, torch.Tensor],
     diagnostic_keys: Collection[str],
     device: torch.device,
+    keep_tasks: bool = False,
 ) -> PhaseAverage:
-    """Average the tasks' end weights (`local_states`: this process's tasks, in slot order)."""
+    """Average the tasks' end weights (`local_states`: this process's tasks, in slot order); with
+    `keep_tasks`, also return every task's gathered end weights (for a sync merge other than the
+    average: mima.training.sync_merge)."""
     num_tasks = layout.num_tasks
     gram_tau = torch.zeros(num_tasks, num_tasks, dtype=torch.float64, device=device)
     gram_delta = torch.zeros_like(gram_tau)
     average: StateDict = {}
+    task_states: list[StateDict] | None = [{} for _ in range(num_tasks)] if keep_tasks else None
     for key in keys:
         local = torch.stack([state[key] for state in local_states]).to(device)
         ordered = gather_in_task_order(local, layout)
+        if task_states is not None:
+            for state, copy in zip(task_states, ordered):
+                state[key] = copy.to("cpu", copy=True)
         wide = torch.promote_types(local.dtype, torch.float32)
         total = ordered[0].to(wide, copy=True)
         for copy in ordered[1:]:
@@ -79,7 +87,7 @@ def average_phase(
             gram_tau += (tau @ tau.T).double()
             delta = flat - previous_average[key].to(device, wide).reshape(1, -1)
             gram_delta += (delta @ delta.T).double()
-    return PhaseAverage(average, gram_tau.cpu(), gram_delta.cpu())
+    return PhaseAverage(average, gram_tau.cpu(), gram_delta.cpu(), task_states)
 
 
 def gather_task_values(local: Mapping[int, float], layout: TaskLayout) -> dict[int, float]:

@@ -38,7 +38,7 @@ def lr_factor(
     if scope == "run":
         local_step, total = position.task_step, plan.total_steps
     else:
-        local_step, total = position.step_in_phase, plan.steps_per_phase
+        local_step, total = position.step_in_phase, position.phase_length
     warmup = min(warmup, total)
     factor = warmup_cosine(local_step, total, warmup) if schedule == "cosine" else warmup_constant(local_step, warmup)
     if segment_warmup > 0:
