@@ -12,14 +12,25 @@ config whose `data.custom_tasks` name your own image folders:
     python benchmarks/offline_suite.py                                  # configs/offline.yaml
     python benchmarks/offline_suite.py --config my_tasks.yaml --iterations 1 4 --out runs/mine
 
+With --sync-merges, the sweep runs once per phase-end operator (`model.sync_merge`, e.g. `uniform
+task_arithmetic ties`; `uniform` is MIMA, task_arithmetic is ATM) into OUT/sync-<name>/, and one
+table compares them: (sync operator, N) x final merge, with the joint baseline (trained once,
+--joint) and theta_0 as rows; OUT/sync_merges.{md,json} and OUT/sync_merges.png.
+
 Needs the offline assets: `bash tests/setup_assets.sh`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 from mima.core.errors import MimaError
@@ -50,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--joint", action="store_true", help="also train the joint multi-task baseline (a `joint` row)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--sync-merges", nargs="+", default=None,
+                        help="phase-end operators to compare (model.sync_merge; e.g. uniform task_arithmetic ties)")
+    parser.add_argument("--sync-merge-args", type=json.loads, default={},
+                        help='JSON object: hyperparameters per operator, e.g. \'{"task_arithmetic": {"lam": 0.3}}\'')
     options = parser.parse_args(argv)
+    if options.sync_merges:
+        return compare_sync_merges(options)
     try:
         config = load_run_config(options.config).as_dict()  # the values `mima fit --config` would use
         if options.probe_shots is not None or options.full_probes:
@@ -71,6 +88,83 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offline_suite: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def compare_sync_merges(options) -> int:
+    """One sweep per phase-end operator, then the comparison table and plot."""
+    try:
+        base_config = load_run_config(options.config).as_dict()
+        if options.probe_shots is not None or options.full_probes:
+            base_config["model"]["probe_shots"] = options.probe_shots
+        merges = options.merges or ["uniform", "task_arithmetic", "ties", "tsv"]
+        tables = {}
+        for position, operator in enumerate(options.sync_merges):
+            config = json.loads(json.dumps(base_config))
+            config["model"]["sync_merge"] = operator
+            config["model"]["sync_merge_args"] = options.sync_merge_args.get(operator) or None
+            folder = options.out / f"sync-{operator}"
+            results = run_sweep(config, folder, iterations=options.iterations, merges=merges,
+                                select_on_val=not options.no_select, overwrite=options.overwrite,
+                                progress=not options.no_progress, title=f"MIMA sweep, sync {operator}",
+                                extra={"config": str(options.config), "sync_merge": operator},
+                                joint=options.joint and position == 0)
+            tables[operator] = {(r.N, r.model): r.mean for r in results}
+    except MimaError as exc:
+        print(f"offline_suite: error: {exc}", file=sys.stderr)
+        return 2
+    write_sync_comparison(tables, merges, options.iterations, options.out)
+    return 0
+
+
+def write_sync_comparison(tables: dict[str, dict], merges: list[str], iterations: list[int], out: Path) -> None:
+    """OUT/sync_merges.md/.json/.png: mean test accuracy (%) per (sync operator, N) and final merge."""
+    first = next(iter(tables.values()))
+    rows = []
+    for operator, table in tables.items():
+        for n in iterations:
+            rows.append({"sync_merge": operator, "N": n, **{m: 100 * table[(n, m)] for m in ["fine_tuned", *merges]}})
+    zero_shot = 100 * first[(iterations[0], "zero_shot")]
+    joint = 100 * first[(iterations[0], "joint")] if (iterations[0], "joint") in first else None
+    lines = ["| sync operator | N | fine-tuned | " + " | ".join(merges) + " | best merge |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in merges) + " | --- |"]
+    for row in rows:
+        best = max(merges, key=lambda m: row[m])
+        lines.append(f"| {row['sync_merge']} | {row['N']} | {row['fine_tuned']:.1f} | "
+                     + " | ".join(f"{row[m]:.1f}" for m in merges) + f" | {best} {row[best]:.1f} |")
+    if joint is not None:
+        lines.append(f"| joint (multi-task) | - | {joint:.1f} | " + " | ".join("" for _ in merges) + " | |")
+    lines.append(f"| theta_0 | - | {zero_shot:.1f} | " + " | ".join("" for _ in merges) + " | |")
+    best_per_n = []
+    for n in iterations:
+        candidates = [(row[m], row["sync_merge"], m) for row in rows if row["N"] == n for m in merges]
+        ranked = sorted(candidates, reverse=True)
+        best_per_n.append({"N": n, "accuracy": ranked[0][0], "sync_merge": ranked[0][1], "merge": ranked[0][2],
+                           "margin": ranked[0][0] - ranked[1][0] if len(ranked) > 1 else None})
+    lines += ["", "Best combination per N: " + "; ".join(
+        f"N={b['N']}: sync {b['sync_merge']} + {b['merge']} {b['accuracy']:.1f} (+{b['margin']:.1f} over the next)"
+        for b in best_per_n)]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sync_merges.md").write_text(text)
+    (out / "sync_merges.json").write_text(json.dumps({"rows": rows, "theta_0": zero_shot, "joint": joint,
+                                                      "best_per_n": best_per_n}, indent=2))
+    figure, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 3.2), sharey=True, squeeze=False)
+    for axis, merge in zip(axes[0], merges):
+        for operator in tables:
+            axis.plot(iterations, [row[merge] for row in rows if row["sync_merge"] == operator], marker="o", label=operator)
+        axis.axhline(zero_shot, color="grey", linestyle=":", label="theta_0")
+        if joint is not None:
+            axis.axhline(joint, color="black", linestyle="--", label="joint")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(iterations, [str(n) for n in iterations])
+        axis.set_title(f"final merge: {merge}")
+        axis.set_xlabel("N")
+    axes[0][0].set_ylabel("mean test accuracy (%)")
+    axes[0][-1].legend(title="sync operator", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "sync_merges.png", dpi=120)
+    plt.close(figure)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -354,7 +354,9 @@ def analyze_command(argv: Sequence[str]) -> None:
     parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
     module.add_arguments(parser)
     options = parser.parse_args(argv[1:])
-    with no_empty_folder_left(getattr(options, "out", None)):
+    from mima.analysis.common import staged_outputs
+
+    with no_empty_folder_left(getattr(options, "out", None)), staged_outputs():
         module.main(options)
 
 

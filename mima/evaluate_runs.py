@@ -19,9 +19,11 @@ How it survives a preemptible cluster:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +37,9 @@ import torch
 
 from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
+from mima.core.files import publish_folder, remove_folders, stage_folder
 from mima.core.run_folder import JOINT, RunFolder, SweepFolder
+from mima.core.run_lock import RunLock
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, accuracy_of, default_precision
 from mima.evaluation.cells import Cell, CellStore, point_key
@@ -430,6 +434,15 @@ def evaluate_runs(
     if val_examples is not None and val_examples <= 0:
         raise MimaError(f"--val-examples {val_examples}: expected a positive number of examples per task")
     evaluation = describe_evaluation(run_dirs, merges, select_on_val, val_examples, precision or default_precision(team.device()))
+    # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
+    with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
+        return _evaluate(evaluation, Path(out_dir), merges, select_on_val, overwrite, title, extra, started,
+                         val_examples, team)
+
+
+def _evaluate(evaluation: Evaluation, out_dir: Path, merges: Sequence[str], select_on_val: bool, overwrite: bool,
+              title: str, extra: dict | None, started: float, val_examples: int | None,
+              team: Team) -> list[ModelResult] | None:
     store = CellStore(out_dir, team.session, team.rank)
     sweep = SweepFolder(out_dir)
     if team.rank == 0:
@@ -468,7 +481,6 @@ def evaluate_runs(
     store.load()
     results, pairwise = build_results(evaluation, store)
     config = evaluation.configs[0]
-    sweep.path.mkdir(parents=True, exist_ok=True)
     info = {
         "heads": config.model.heads,
         "select_on": "val" if select_on_val else "defaults",
@@ -482,12 +494,22 @@ def evaluate_runs(
     info.update(steps=config.model.steps, **(extra or {}))
     seconds = round(time.time() - started, 1)
     info["seconds_total"] = seconds
-    write_results(sweep, results, extra=info, title=title)
-    plot_accuracy_vs_n(results, sweep.plot_file(SweepFolder.ACCURACY_PLOT))
-    phases: dict[int, list[dict]] = {}
-    for run, run_config in zip(evaluation.runs, evaluation.configs):
-        phases.setdefault(int(run_config.model.iterations), run.phase_records())  # the first run of each N
-    plot_cosine_vs_n(pairwise, phases, sweep.plot_file(SweepFolder.COSINE_PLOT))
+    # the whole set is written aside and moved into place at the end: a failure leaves the earlier set
+    staging, created = stage_folder(out_dir)
+    try:
+        staged = SweepFolder(staging)
+        write_results(staged, results, extra=info, title=title)
+        plot_accuracy_vs_n(results, staged.plot_file(SweepFolder.ACCURACY_PLOT))
+        phases: dict[int, list[dict]] = {}
+        for run, run_config in zip(evaluation.runs, evaluation.configs):
+            phases.setdefault(int(run_config.model.iterations), run.phase_records())  # the first run of each N
+        plot_cosine_vs_n(pairwise, phases, staged.plot_file(SweepFolder.COSINE_PLOT))
+        publish_folder(staging, out_dir, overwrite=True)
+    except BaseException:
+        remove_folders(created)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print()
     print(markdown_text(results, title=title))
     print(f"Wrote {out_dir}/results.{{json,csv,md}}, selection.json and plots in {seconds:.0f} s.")

@@ -118,7 +118,7 @@ def run_merge(options) -> None:
                 meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
             write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
     if pool is not None:
-        report_results(options.output, method, selection, pool)
+        report_results(options.output, method, selection, pool, options.overwrite)
     print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'}) -> {options.output}")
 
 
@@ -159,7 +159,7 @@ def printable(hparams: dict) -> dict:
     return {k: v for k, v in hparams.items() if k != "matrix_keys"}
 
 
-def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool") -> None:
+def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool", overwrite: bool = True) -> None:
     """Each task's test accuracy (per-task methods: of that task's own model), written beside the output."""
     test = pool.evaluator("test")
     if method.per_task:
@@ -173,7 +173,7 @@ def report_results(output: Path, method: MergeMethod, selection: Selection, pool
         "trials": selection.trials, "notes": selection.notes or None,
     }
     json_path, md_path = results_paths(output)
-    write_json_atomic(json_path, report)
+    write_json_atomic(json_path, report, overwrite=overwrite)
     lines = [f"# {method.name}: {output.name}", "", f"Hyperparameters: {json.dumps(report['hparams'])}", "",
              "| task | test accuracy (%) |", "|---|---|"]
     lines += [f"| {task} | {100 * value:.1f} |" for task, value in accuracy.items()] + [f"| mean | {100 * mean:.1f} |"]
@@ -181,4 +181,4 @@ def report_results(output: Path, method: MergeMethod, selection: Selection, pool
         keys = [k for k in selection.trials[0] if k != "score"]
         lines += ["", "Validation grid:", "", "| " + " | ".join(keys) + " | val accuracy (%) |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(str(t[k]) for k in keys) + f" | {100 * t['score']:.1f} |" for t in selection.trials]
-    write_text_atomic(md_path, "\n".join(lines) + "\n")
+    write_text_atomic(md_path, "\n".join(lines) + "\n", overwrite=overwrite)

@@ -1,12 +1,17 @@
 """`mima report DIR`: one page for a run or a sweep, as report.md (images linked) and report.html
 (one self-contained file: the images are embedded as data URIs, so it can be mailed or attached).
 
-A sweep folder (`mima demo`, `mima evaluate --out`, benchmarks/offline_suite.py: results.json and
-runs/) gets the Table-1 results, the accuracy-vs-N and alignment plots, every analysis found under
+A sweep folder (`mima demo`, benchmarks/offline_suite.py: results.json and runs/; `mima evaluate --out`:
+results.json, its runs named in selection.json) gets the Table-1 results, the accuracy-vs-N and alignment plots, every analysis found under
 DIR/analysis/ and the runs' analysis/ folders, and links to each run's checkpoints. A run folder
 (`mima fit`: metrics.jsonl, final/) gets its settings, the per-phase alignment and loss table, its
 evaluation (RUN/evaluation/, as the SLURM array writes it) when there is one, the analyses and the
 checkpoints. The cosine analysis needs no data, so it is run here when its plots are missing.
+
+Nothing is written beside the inputs when `--out` names another folder (the cosine plots it makes go to
+OUT/analysis/cosine), and the page's files are written into a temporary folder and moved into place
+together at the end, under the output folder's lock (mima.core.run_lock): a failed report leaves the
+previous one as it was.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mima.core.errors import MimaError
-from mima.core.files import refuse_overwrite, write_text_atomic
+from mima.core.files import atomic_folder, refuse_overwrite
 from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.results_files import read_results
 from mima.evaluation.tables import markdown_table, n_table, summary_table
@@ -66,8 +71,10 @@ class Page:
     def table(self, header: list[str], rows: list[list[str]]) -> None:
         self.blocks.append(("table", (header, rows)))
 
-    def image(self, path: Path, caption: str) -> None:
-        self.blocks.append(("image", (path, caption)))
+    def image(self, path: Path, caption: str, data: Path | None = None) -> None:
+        """An image shown from `path` (where it is once the report is in place), its bytes read from
+        `data` (where it is now, if elsewhere)."""
+        self.blocks.append(("image", (path, caption, data or path)))
 
 
 def render_markdown(page: Page, at: Path) -> str:
@@ -82,7 +89,7 @@ def render_markdown(page: Page, at: Path) -> str:
         elif kind == "table":
             lines += markdown_table(*value) + [""]
         elif kind == "image":
-            path, caption = value
+            path, caption, _ = value
             lines += [f"![{caption}]({_relative(path, at)})", "", f"*{caption}*", ""]
     return "\n".join(lines)
 
@@ -109,8 +116,8 @@ def render_html(page: Page, at: Path) -> str:
             body = "".join("<tr>" + "".join(f"<td>{_inline_html(cell, at)}</td>" for cell in row) + "</tr>" for row in rows)
             parts.append(f"<table><tr>{head}</tr>{body}</table>")
         elif kind == "image":
-            path, caption = value
-            data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+            path, caption, source = value
+            data = base64.b64encode(Path(source).read_bytes()).decode("ascii")
             parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(caption)}'>"
                          f"<figcaption>{html.escape(caption)}</figcaption></figure>")
     parts.append("</body></html>")
@@ -176,20 +183,33 @@ def phase_section(page: Page, run: Path) -> None:
     page.table(header, rows)
 
 
-def cosine_section(page: Page, folder: Path, runs: list[Path]) -> None:
+def cosine_section(page: Page, folder: Path, runs: list[Path], out: Path, staging: Path) -> None:
+    """The cosine analysis of the input (its own analysis/cosine, or an earlier report's in OUT), or
+    computed now into the staging folder (from where it moves to OUT/analysis/cosine with the page)."""
     from mima.analysis.cosine.command import analyse
 
-    target = RunFolder(folder).analysis_dir("cosine")  # a sweep folder keeps its analyses the same way
-    if not (target / "cosine.json").is_file():
-        analyse([folder] if folder in runs or SweepFolder(folder).runs_dir.is_dir() else runs, out=target)
+    if not runs:
+        return
+    shown = RunFolder(out).analysis_dir("cosine")  # where the plots are once the report is in place
+    source = next((candidate for candidate in (RunFolder(folder).analysis_dir("cosine"), shown)
+                   if (candidate / "cosine.json").is_file()), None)
+    if source is not None:
+        shown = source
+    else:
+        source = RunFolder(staging).analysis_dir("cosine")
+        analyse([folder] if folder in runs or SweepFolder(folder).runs_dir.is_dir() else runs, out=source)
+
+    def image(name: str, caption: str) -> None:
+        page.image(shown / name, caption, data=source / name)
+
     page.heading("Alignment of the task models (paper 001, Fig. 5 and 11)")
-    page.image(target / "cosine_phases.png", CAPTIONS["cosine_phases.png"])
-    heatmaps = {int(p.stem.split("_N")[-1]): p for p in target.glob("cosine_heatmaps_N*.png")}
+    image("cosine_phases.png", CAPTIONS["cosine_phases.png"])
+    heatmaps = {int(p.stem.split("_N")[-1]): p.name for p in source.glob("cosine_heatmaps_N*.png")}
     if heatmaps:  # the largest N: the matrices sharpen phase by phase
         n = max(heatmaps)
-        page.image(heatmaps[n], f"Pairwise cosine matrices of tau (top) and delta (bottom) at selected phases, N = {n}.")
-    if (target / "cosine_vs_N.png").is_file() and not SweepFolder(folder).plot_file(SweepFolder.COSINE_PLOT).is_file():  # a sweep has its own
-        page.image(target / "cosine_vs_N.png", "Pairwise cosines of the final task vectors per N.")
+        image(heatmaps[n], f"Pairwise cosine matrices of tau (top) and delta (bottom) at selected phases, N = {n}.")
+    if (source / "cosine_vs_N.png").is_file() and not SweepFolder(folder).plot_file(SweepFolder.COSINE_PLOT).is_file():  # a sweep has its own
+        image("cosine_vs_N.png", "Pairwise cosines of the final task vectors per N.")
 
 
 def analyses_section(page: Page, folders: list[tuple[str, Path]]) -> None:
@@ -238,15 +258,31 @@ def _run_settings(run: Path) -> list[str]:
     ]
 
 
-def build_page(folder: Path, at: Path) -> Page:
+def folder_kind(folder: Path) -> str:
+    """"sweep" (results.json: `mima demo`, `mima evaluate --out`, the offline suite) or "run"
+    (metrics.jsonl: `mima fit`); anything else is one line."""
+    if SweepFolder(folder).has_results():
+        return "sweep"
+    if RunFolder(folder).has_metrics():
+        return "run"
+    raise MimaError(f"{folder}: not a sweep folder (results.json: `mima demo`, `mima evaluate --out`) "
+                    "nor a `mima fit` run folder (metrics.jsonl)")
+
+
+def build_page(folder: Path, at: Path, staging: Path | None = None) -> Page:
+    """The page of `folder`, its links relative to `at` (where report.md goes); files it makes (the
+    cosine plots) go to `staging`, a folder that will become `at` (default: `at` itself)."""
     sweep, run = SweepFolder(folder), RunFolder(folder)
-    if not (sweep.is_sweep() or run.has_metrics()):
-        raise MimaError(f"{folder}: not a sweep folder (results.json and runs/) nor a `mima fit` run folder (metrics.jsonl)")
-    if sweep.is_sweep():
-        runs = [r.path for r in sweep.runs()]
-        page = Page(f"mima report: sweep {folder.name}")
+    staging = staging if staging is not None else at
+    if folder_kind(folder) == "sweep":
+        if sweep.runs_dir.is_dir():
+            runs = [r.path for r in sweep.runs()]
+        else:  # `mima evaluate --out`: the runs it evaluated are wherever they were
+            runs = [r.path for r in sweep.listed_runs()]
+        kind = "sweep" if sweep.runs_dir.is_dir() else "evaluation"
+        page = Page(f"mima report: {kind} {folder.name}")
         page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}; "
-                  f"{len(runs)} runs ({', '.join(r.name for r in runs)}).")
+                  f"{len(runs)} runs ({', '.join(r.name for r in runs) or 'none found'}).")
         if runs:
             page.bullets(_run_settings(runs[0])[:2])
         results_section(page, folder)
@@ -260,9 +296,10 @@ def build_page(folder: Path, at: Path) -> Page:
         else:
             page.text("No evaluation yet: `mima evaluate RUN --out RUN/evaluation` adds the results table.")
         phase_section(page, folder)
-    cosine_section(page, folder, runs)
-    analyses_section(page, [("sweep", folder)] * sweep.is_sweep() + [(f"run {r.name}", r) for r in runs])
-    checkpoints_section(page, runs, at)
+    cosine_section(page, folder, runs, at, staging)
+    analyses_section(page, [("sweep", folder)] * sweep.has_results() + [(f"run {r.name}", r) for r in runs])
+    if runs:
+        checkpoints_section(page, runs, at)
     return page
 
 
@@ -276,11 +313,12 @@ def write_report(folder: Path, out: Path | None = None, overwrite: bool = False)
     report_files = RunFolder(out).report_files()
     if not overwrite:
         refuse_overwrite(report_files, what=f"--out {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    page = build_page(folder, out)
-    markdown_file, html_file = report_files
-    write_text_atomic(markdown_file, render_markdown(page, out))
-    write_text_atomic(html_file, render_html(page, out))
+    folder_kind(folder)  # before anything is created
+    with atomic_folder(out, overwrite=overwrite, lock="mima report") as staging:
+        page = build_page(folder, out, staging)
+        markdown_file, html_file = (staging / path.name for path in report_files)
+        markdown_file.write_text(render_markdown(page, out))
+        html_file.write_text(render_html(page, out))
     return report_files
 
 

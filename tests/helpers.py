@@ -106,3 +106,18 @@ class RaiseAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"raised by tests.helpers.RaiseAtStep at step {self.step}")
+
+
+class WaitForFileAtStep(Callback):
+    """Wait at the end of step `step` until `path` exists (a job held mid-run while a test does something
+    beside it), at most `timeout` seconds."""
+
+    def __init__(self, step: int, path: str, timeout: float = 300.0) -> None:
+        self.step, self.path, self.timeout = step, Path(path), timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + self.timeout
+        while not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -82,3 +82,29 @@ def test_cli_default_folder_and_clear_errors(sweep, tmp_path, capsys):
     assert str(tmp_path) in err and "run folder" in err and len(err.splitlines()) == 1
     assert main(["analyze", "cosine", str(sweep / "runs" / "N1"), str(run)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_a_failed_analysis_leaves_the_earlier_outputs_as_they_were(sweep, tmp_path, monkeypatch, capsys):
+    """Issue 26: `mima analyze` writes its files into a temporary folder and moves them into place at the
+    end; one that fails half-way (a plot after another was written) leaves --out as it was."""
+    import mima.analysis.cosine.plot as plots
+    from tests.test_hostile_inputs import unchanged
+
+    out = tmp_path / "out"
+    run = sweep / "runs" / "N2"
+    assert main(["analyze", "cosine", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"Wrote {out} in" in printed and ".tmp" not in printed  # the message names --out, not the temporary folder
+    assert (out / "cosine.json").is_file() and not list(tmp_path.glob(".*"))
+
+    def changed_heatmaps(run_cosines, path):
+        path.write_bytes(b"a half-written set")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a plot failed")
+
+    monkeypatch.setattr(plots, "plot_heatmaps", changed_heatmaps)
+    monkeypatch.setattr(plots, "plot_phase_boxes", failing)
+    with unchanged(tmp_path):
+        with pytest.raises(RuntimeError, match="a plot failed"):
+            main(["analyze", "cosine", str(run), "--out", str(out), "--overwrite"])

@@ -30,12 +30,13 @@ FOUR = ["rot90", "rot180", "rot270", "mirror"]
 STEPS, ITERATIONS = 24, 3  # K = 8
 
 
-def write_config(path: Path, clip: str, tasks: list[str], devices: int, callbacks=(), strategy=None) -> Path:
+def write_config(path: Path, clip: str, tasks: list[str], devices: int, callbacks=(), strategy=None,
+                 model: dict | None = None) -> Path:
     config = {
         "seed_everything": 0,
         "threads_per_process": 1,
         "collective_timeout": 60,
-        "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2},
+        "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2, **(model or {})},
         "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
         "trainer": {
             "accelerator": "cpu",
@@ -302,3 +303,68 @@ def test_a_resumed_run_keeps_the_log_from_before_it(tmp_path, small_clip):
     expected = logged_losses(tmp_path / "whole" / "logs" / "metrics.csv")
     assert len(expected) == len(TWO) * STEPS  # one loss per step of each task
     assert sorted(logged_losses(out / "logs" / "metrics.csv")) == sorted(expected)
+
+
+# ---------------------------------------------------------------- the phase-end operator and schedules
+TIES_AT_SYNC = {"sync_merge": "ties", "sync_merge_args": {"k": 50.0, "lam": 0.9}}
+
+
+@pytest.mark.slow
+def test_ties_at_the_sync_is_the_same_at_w2_and_after_a_sigkill(tmp_path, small_clip, reference):
+    one = tmp_path / "w1"
+    assert run_job(write_config(tmp_path / "w1.yaml", small_clip, FOUR, 1, model=TIES_AT_SYNC), one).returncode == 0
+    expected = finals(one, FOUR)
+    changed = [task for task in FOUR if any(not torch.equal(expected[task][k], reference(1, FOUR)[task][k])
+                                            for k in expected[task])]
+    assert changed == FOUR  # the operator made a difference: every task model differs from MIMA's
+    two = tmp_path / "w2"
+    assert run_job(write_config(tmp_path / "w2.yaml", small_clip, FOUR, 2, model=TIES_AT_SYNC), two).returncode == 0
+    assert_identical(finals(two, FOUR), expected)
+    killed_out = tmp_path / "killed"
+    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 20})],
+                                  model=TIES_AT_SYNC), killed_out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run_job(write_config(tmp_path / "w2.yaml", small_clip, FOUR, 2, model=TIES_AT_SYNC), killed_out,
+                      "--ckpt_path", "last")
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert_identical(finals(killed_out, FOUR), expected)
+
+
+def test_task_arithmetic_at_one_over_t_is_the_average(tmp_path, small_clip, reference):
+    """ATM with lam = 1/T: theta_0 + (1/T) sum_t (theta_t - theta_0) = mean_t theta_t, up to rounding."""
+    out = tmp_path / "atm"
+    model = {"sync_merge": "task_arithmetic", "sync_merge_args": {"lam": 1 / len(TWO)}}
+    result = run_job(write_config(tmp_path / "atm.yaml", small_clip, TWO, 1, model=model), out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mima = reference(1, TWO)
+    for task in TWO:
+        for key, value in finals(out, TWO)[task].items():
+            torch.testing.assert_close(value, mima[task][key], rtol=1e-4, atol=1e-5)
+    pretrained = load_state_dict(out / "pretrained.safetensors")
+    assert any(not torch.equal(mima[TWO[0]][k], pretrained[k]) for k in pretrained)  # training moved the weights
+
+
+def test_a_geometric_schedule_logs_each_phase_length_and_is_the_same_at_w2(tmp_path, small_clip):
+    schedule = {"phase_schedule": "geometric", "phase_ratio": 2.0, "steps": 21, "iterations": 3}  # K = 3, 6, 12
+    runs = {}
+    for devices in (1, 2):
+        out = tmp_path / f"w{devices}"
+        result = run_job(write_config(tmp_path / f"w{devices}.yaml", small_clip, TWO, devices, model=schedule), out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[devices] = finals(out, TWO)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["phase"], r["K"], r["step"]) for r in records] == [(1, 3, 3), (2, 6, 9), (3, 12, 21)]
+    assert_identical(runs[2], runs[1])
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ({"sync_merge": "adamerging"}, "model.sync_merge: 'adamerging' learns from task data"),
+    ({"sync_merge": "nope"}, "model.sync_merge: unknown merge method 'nope'"),
+    ({"sync_merge": "task_arithmetic", "sync_merge_args": {"lamb": 0.3}}, "model.sync_merge_args:"),
+])
+def test_a_sync_merge_that_cannot_run_at_the_sync_is_one_line(tmp_path, small_clip, capsys, model, fragment):
+    config = write_config(tmp_path / "bad.yaml", small_clip, TWO, 1, model=model)
+    assert main(["fit", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "run" / "final").exists()

@@ -63,3 +63,94 @@ def test_report_of_a_folder_that_is_neither(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert str(tmp_path) in err and len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- issue 26: what report reads and writes
+def _copy_run(run, target):
+    import shutil
+
+    shutil.copytree(run, target, ignore=shutil.ignore_patterns("analysis", "report.*"))
+    return target
+
+
+def test_report_of_an_evaluate_folder(sweep, tmp_path):
+    """`mima evaluate RUNS --out EVAL` writes the results files and names the runs in selection.json (no
+    runs/ folder): the report reads it as the README says (the old code refused it: "not a sweep folder")."""
+    import shutil
+
+    from tests.test_hostile_inputs import unchanged
+
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    for name in ("results.json", "results.csv", "results.md", "selection.json"):
+        shutil.copy(sweep / name, evaluation / name)
+    assert json.loads((evaluation / "selection.json").read_text())["runs"]  # what evaluate records
+    with unchanged(sweep / "runs"):
+        assert main(["report", str(evaluation)]) == 0
+    markdown = (evaluation / "report.md").read_text()
+    rows = json.loads((evaluation / "results.json").read_text())
+    mean = next(100 * r["accuracy"] for r in rows if (r["N"], r["model"], r["task"]) == (2, "uniform", "mean"))
+    assert f"{mean:.1f}" in markdown and "runs (N1, N2)" in markdown
+    assert all((evaluation / image).resolve().is_file() for image in _images(markdown))
+    links = re.findall(r"(?<!!)\[[^\]]+\]\(([^)]+\.safetensors)\)", markdown)
+    assert len(links) == 2 * (1 + len(TASKS)) and all((evaluation / link).resolve().is_file() for link in links)
+
+
+def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
+    """--out: the page and the plots it makes go there; the run folder is not touched (the old code wrote
+    RUN/analysis/cosine, and failed on a read-only run)."""
+    import os
+    import stat
+
+    from tests.test_hostile_inputs import unchanged
+
+    run = _copy_run(sweep / "runs" / "N2", tmp_path / "run")
+    modes = {}
+    for path in [run, *run.rglob("*")]:
+        modes[path] = path.stat().st_mode
+        os.chmod(path, modes[path] & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        with unchanged(run):
+            assert main(["report", str(run), "--out", str(tmp_path / "page")]) == 0
+    finally:
+        for path, mode in modes.items():
+            os.chmod(path, mode)
+    page = tmp_path / "page"
+    assert (page / "report.md").is_file() and (page / "analysis" / "cosine" / "cosine_phases.png").is_file()
+    markdown = (page / "report.md").read_text()
+    assert "analysis/cosine/cosine_phases.png" in _images(markdown)
+    assert all((page / image).resolve().is_file() for image in _images(markdown))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page", "run"]  # no temporary folder left
+
+
+def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monkeypatch):
+    import mima.report
+
+    from tests.test_hostile_inputs import unchanged
+
+    run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
+    page = tmp_path / "page"
+    assert main(["report", str(run), "--out", str(page)]) == 0
+    monkeypatch.setattr(mima.report, "render_markdown", lambda *args: "a new page")
+
+    def fail(*args):
+        raise RuntimeError("the html page failed")
+
+    monkeypatch.setattr(mima.report, "render_html", fail)
+    with unchanged(tmp_path):
+        with pytest.raises(RuntimeError, match="the html page failed"):
+            main(["report", str(run), "--out", str(page), "--overwrite"])
+
+
+def test_report_refuses_an_output_folder_another_job_holds(sweep, tmp_path):
+    from tests.test_run_lock import _holder
+
+    run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
+    holder = _holder(tmp_path / "page")
+    try:
+        code = main(["report", str(run), "--out", str(tmp_path / "page")])
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert code == 2
+    assert not (tmp_path / "page" / "report.md").exists()
+    assert [p.name for p in tmp_path.rglob(".*")] == []  # no temporary folder or file left

@@ -59,7 +59,7 @@ def read_tensor_file(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise MimaError(f"{path}: no such file")
     if path.suffix in PICKLE_SUFFIXES:
-        state = module_state_dict(load_restricted(path))
+        state = module_state_dict(load_restricted(path), source=path)
         if not state:
             raise MimaError(f"{path}: holds no tensor state dict")
         return state

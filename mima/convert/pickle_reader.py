@@ -218,30 +218,61 @@ def load_restricted(path: Path) -> object:
             raise MimaError(f"{path}: could not be read as a model checkpoint ({' '.join(str(exc).split())})") from None
 
 
-def module_state_dict(obj: object, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of a (stand-in) module tree, or the tensors of a dict."""
+# How deep a module tree may nest (open_clip's ViT-L/14 is 6 levels deep) and how many modules it may
+# hold: a crafted pickle can nest far deeper, or make a child its own ancestor.
+MAX_MODULE_DEPTH = 100
+MAX_MODULES = 1_000_000
+
+
+def module_state_dict(obj: object, prefix: str = "", source: object = "checkpoint") -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of a (stand-in) module tree, or the tensors of a dict.
+
+    The children are walked with an explicit stack, in the order torch's `state_dict` visits them
+    (a module's parameters, its buffers, then each child's), with a depth limit and a check that no
+    module is its own ancestor: a crafted tree is one line (naming `source`), never a RecursionError."""
     if isinstance(obj, dict):
         if "state_dict" in obj and isinstance(obj["state_dict"], dict):
             obj = obj["state_dict"]
         if all(isinstance(v, torch.Tensor) for v in obj.values()):
             return {f"{prefix}{k}": v for k, v in obj.items()}
     state: dict[str, torch.Tensor] = {}
-    attributes = getattr(obj, "__dict__", {})
-    non_persistent = attributes.get("_non_persistent_buffers_set", set()) or set()
-    for name, tensor in (attributes.get("_parameters") or {}).items():
-        if tensor is not None:
-            state[f"{prefix}{name}"] = tensor
-    for name, tensor in (attributes.get("_buffers") or {}).items():
-        if tensor is not None and name not in non_persistent:
-            state[f"{prefix}{name}"] = tensor
-    for name, child in (attributes.get("_modules") or {}).items():
-        if child is not None:
-            state.update(module_state_dict(child, f"{prefix}{name}."))
+    # (module, its key prefix, the ids of its ancestors and itself)
+    stack: list[tuple[object, str, frozenset[int]]] = [(obj, prefix, frozenset((id(obj),)))]
+    visited = 0
+    while stack:
+        module, at, path = stack.pop()
+        visited += 1
+        if visited > MAX_MODULES:
+            raise MimaError(f"{source}: the module tree holds more than {MAX_MODULES} modules; not a model checkpoint")
+        attributes = getattr(module, "__dict__", {})
+        if not isinstance(attributes, dict):
+            continue
+        non_persistent = attributes.get("_non_persistent_buffers_set", set()) or set()
+        for name, tensor in _named(attributes.get("_parameters")):
+            if tensor is not None:
+                state[f"{at}{name}"] = tensor
+        for name, tensor in _named(attributes.get("_buffers")):
+            if tensor is not None and name not in non_persistent:
+                state[f"{at}{name}"] = tensor
+        children = [(name, child) for name, child in _named(attributes.get("_modules")) if child is not None]
+        if children and len(path) > MAX_MODULE_DEPTH:
+            raise MimaError(f"{source}: modules nest deeper than {MAX_MODULE_DEPTH} levels (at '{at}'); not a model checkpoint")
+        for name, child in reversed(children):  # popped in their order
+            if id(child) in path:
+                raise MimaError(f"{source}: module '{at}{name}' contains itself (a cycle in the module tree); not a model checkpoint")
+            stack.append((child, f"{at}{name}.", path | {id(child)}))
     return state
 
 
+def _named(entries: object) -> list[tuple[str, object]]:
+    """The (name, value) pairs of a module's _parameters, _buffers or _modules (a dict in a real module)."""
+    if not isinstance(entries, dict):
+        return []
+    return [(str(name), value) for name, value in entries.items()]
+
+
 def convert_checkpoint(source: Path, prefix: str = "model.visual.") -> dict[str, torch.Tensor]:
-    state = module_state_dict(load_restricted(source))
+    state = module_state_dict(load_restricted(source), source=source)
     if not state:
         raise MimaError(f"{source}: holds no module parameters or tensor state dict")
     if not prefix:

@@ -6,13 +6,22 @@ or a signal mid-write leaves the previous file (if any) untouched and no partial
 temporary file carries its writer's process id, so one left by a killed process (SIGKILL leaves no
 chance to clean up) is found and removed, with a message, by the next write to the same target.
 Every command that writes outputs asks `refuse_overwrite` first, before any work starts.
+
+A write that must not replace an existing file (`overwrite=False`) checks again at the end, in the same
+step that puts the file in place (`place_noreplace`: a hard link, which fails if the name exists, or
+`renameat2(RENAME_NOREPLACE)` where the filesystem takes no hard links): of two commands writing the
+same new output, one wins and the other is refused, and neither file is ever replaced silently.
+`atomic_folder` does the same for a set of files written together (a report, an analysis).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -76,10 +85,134 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
             with open(tmp, "rb+") as stream:
                 os.fsync(stream.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, target)
+        if overwrite:
+            os.replace(tmp, target)
+        else:  # the refusal above was made before the work: another writer may have come since
+            place_noreplace(tmp, target)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def place_noreplace(source: Path, target: Path) -> None:
+    """Move `source` to `target` in one atomic step that fails if `target` exists (a MimaError naming
+    it); `source` is gone afterwards either way only if it was placed."""
+    try:
+        os.link(source, target)  # atomic create-or-fail, on local and network filesystems alike
+    except FileExistsError:
+        raise _exists(target) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
+        _rename_noreplace(source, target)  # a filesystem without hard links
+        return
+    os.unlink(source)
+
+
+def _exists(target: Path) -> MimaError:
+    return MimaError(f"{target}: already exists (written by another command meanwhile; pass --overwrite to replace it)")
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _rename_noreplace(source: Path, target: Path) -> None:
+    """renameat2(RENAME_NOREPLACE) (Linux); where neither it nor hard links exist, a check then a
+    rename (the one case with a window, on filesystems that offer no atomic way)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        result = renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE)
+        if result == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise _exists(target)
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise MimaError(f"{target}: cannot be written ({os.strerror(code)})")
+    if target.exists() or target.is_symlink():
+        raise _exists(target)
+    os.rename(source, target)
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike, names: Iterable[str] | None = None, overwrite: bool = False,
+                  lock: str | None = None) -> Iterator[Path]:
+    """Yield a temporary folder beside `folder`; the files written into it become `folder`'s files
+    only if the block succeeds, and all together at the end: a failed command leaves the earlier
+    outputs as they were, and no half-written set.
+
+    `names`: the files the command is known to write, refused before the work if they exist and
+    `overwrite` is off; every file is placed without replacing unless `overwrite` (then each replaces
+    its namesake atomically). Files already in `folder` that the block did not write stay. `lock`: the
+    command that takes `folder`'s lock (mima.core.run_lock) while the files are placed."""
+    target = Path(folder)
+    if names is not None and not overwrite:
+        refuse_overwrite([target / name for name in names], what=f"--out {target}")
+    staging, created = stage_folder(target)
+    try:
+        yield staging
+        publish_folder(staging, target, overwrite, lock)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_folders(created)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def stage_folder(target: Path) -> tuple[Path, list[Path]]:
+    """A new temporary folder beside `target` (on its filesystem), and the missing parents created for it."""
+    created = [path for path in target.parents if not path.exists() and not path.is_symlink()]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    except OSError as exc:
+        remove_folders(created)
+        raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
+    return staging, created
+
+
+def remove_folders(created: list[Path]) -> None:
+    """Remove folders a failed command created, the deepest first, as long as they are empty."""
+    for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
+        try:
+            path.rmdir()
+        except OSError:
+            break
+
+
+def publish_folder(staging: Path, target: Path, overwrite: bool, lock: str | None = None) -> list[Path]:
+    """Move every file under `staging` to the same place under `target`: all names checked first, then
+    each placed without replacing (or replacing, with `overwrite`); if another command placed one of
+    them meanwhile, the ones already placed are taken back. Returns the placed files."""
+    from mima.core.run_lock import RunLock  # core, but only the commands that write folders need it
+
+    written = sorted(p for p in staging.rglob("*") if p.is_file() or p.is_symlink())
+    guard = RunLock(target, lock) if lock else contextlib.nullcontext()
+    with guard:
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
+        if not overwrite:  # every name is checked before any is placed: all or nothing
+            refuse_overwrite([target / p.relative_to(staging) for p in written], what=f"--out {target}")
+        placed: list[Path] = []
+        try:
+            for path in written:
+                destination = target / path.relative_to(staging)
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                if overwrite:
+                    os.replace(path, destination)
+                else:
+                    place_noreplace(path, destination)
+                placed.append(destination)
+        except BaseException:
+            if not overwrite:  # another command came in between: take back what this one placed
+                for destination in placed:
+                    destination.unlink(missing_ok=True)
+            raise
+    return placed
 
 
 def remove_stale_temporaries(target: Path) -> list[Path]:

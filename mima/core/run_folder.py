@@ -2,7 +2,11 @@
 
 A run folder, written by `mima fit` (and read by merge, evaluate, analyze, report):
 
-    config.yaml                 the full config of the run (every value, defaults included)
+    config.yaml                 the full config of the run (every value, defaults included); it reproduces
+                                the weights: a resume that would change a value that shapes them is refused
+    config_changes.jsonl        one JSON object per resume that changed keys which cannot change the weights
+                                (progress bar, workers, ...): {"time", "changes": {key: [old, new]}}
+    LOCK                        held by the one job working on the folder (mima.core.run_lock)
     pretrained.safetensors      theta_0, the image encoder before fine-tuning
     final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata);
                                 a joint multi-task run (model.mode: joint) has final/joint.safetensors
@@ -42,6 +46,7 @@ import yaml
 
 from mima.core.errors import MimaError
 from mima.core.files import read_json, read_json_lines, refuse_overwrite, write_json_atomic, write_text_atomic
+from mima.core.run_lock import LOCK_NAME
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 
 StateDict = dict[str, torch.Tensor]
@@ -64,6 +69,15 @@ class RunFolder:
     @property
     def config_file(self) -> Path:
         return self.path / "config.yaml"
+
+    @property
+    def config_changes_file(self) -> Path:
+        return self.path / "config_changes.jsonl"
+
+    @property
+    def lock_file(self) -> Path:
+        """The one-job-per-folder lock (mima.core.run_lock.RunLock(run.path, command) takes it)."""
+        return self.path / LOCK_NAME
 
     @property
     def pretrained_file(self) -> Path:
@@ -115,7 +129,8 @@ class RunFolder:
 
     def training_outputs(self) -> list[Path]:
         """What `mima fit` writes (and `--overwrite` removes)."""
-        return [self.config_file, self.pretrained_file, self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
+        return [self.config_file, self.config_changes_file, self.pretrained_file, self.metrics_file, self.final_dir,
+                self.logs_dir, self.checkpoints_dir]
 
     # ---------------------------------------------------------------------------- state
     def has_metrics(self) -> bool:
@@ -206,6 +221,15 @@ class RunFolder:
     def write_config(self, text: str) -> None:
         write_text_atomic(self.config_file, text)
 
+    def append_config_changes(self, changes: dict) -> None:
+        """Record a resume's accepted config changes (key -> [old, new]) before config.yaml takes them."""
+        records = read_json_lines(self.config_changes_file) if self.config_changes_file.is_file() else []
+        records.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changes": changes})
+        write_text_atomic(self.config_changes_file, "".join(json.dumps(r) + "\n" for r in records))
+
+    def config_changes(self) -> list[dict]:
+        return read_json_lines(self.config_changes_file) if self.config_changes_file.is_file() else []
+
     def write_pretrained(self, state: Mapping[str, torch.Tensor]) -> None:
         """theta_0, once: a resumed run keeps the file the run started with."""
         if not self.pretrained_file.exists():
@@ -285,6 +309,21 @@ class SweepFolder:
 
     def has_results(self) -> bool:
         return self.results_json.is_file()
+
+    def listed_runs(self) -> list[RunFolder]:
+        """The run folders a results table names (selection.json's "runs", as `mima evaluate --out`
+        writes it): those that still exist with their phase records. A relative path is taken from
+        the working directory, else from the sweep folder's parent."""
+        if not self.selection_json.is_file():
+            return []
+        listed = read_json(self.selection_json).get("runs") or []
+        found = []
+        for name in listed if isinstance(listed, list) else []:
+            for candidate in (Path(str(name)), self.path.parent / str(name)):
+                if RunFolder(candidate).has_metrics():
+                    found.append(RunFolder(candidate))
+                    break
+        return found
 
     def is_sweep(self) -> bool:
         return self.has_results() and self.runs_dir.is_dir()

@@ -1,14 +1,15 @@
 """Streaming access to safetensors files: read one tensor at a time, write one tensor at a time.
 
-Reading goes through the safetensors library (`safe_open`), which checks the header as the format
-requires (offsets that tile the data exactly, no overlap, sizes without overflow, known dtypes,
-string metadata) and memory-maps the file. A tensor from `safe_open(...).get_tensor` is a view into
-that private mapping of the whole file: it keeps the mapping alive, and any in-place change by a
-caller turns the pages it touches into anonymous copy-on-write pages that stay until the mapping
-goes. The reader therefore hands out a copy of each tensor, which the caller owns alone and which
-is freed with it; the mapping itself only ever holds clean file pages, which the kernel can drop
-at any time. Reading T models one key at a time thus holds in anonymous memory only the tensors
-the caller keeps (one copy per read, as the plain file reads of earlier versions did).
+Reading never maps a file into memory. The header is checked by the safetensors library
+(`safe_open`, closed again at once: offsets that tile the data exactly, no overlap, sizes without
+overflow, known dtypes, string metadata); each tensor's bytes are then read with plain reads
+(`os.preadv`) from the file descriptor opened first, into a tensor the caller owns alone. An input
+that another program truncates or rewrites while a merge reads it therefore cannot kill the process
+(a mapped page past a shortened end is SIGBUS); the reader compares the open file's size and
+modification time before and after each read and refuses a file that changed with one line ("changed
+while being read"). A file replaced by a rename or removed still reads as it was opened (the
+descriptor holds the old inode). Reading T models one key at a time holds only the tensors the caller
+keeps.
 
 The writer knows every output tensor's shape and dtype up front (a merge preserves them), writes
 the header first and then each tensor as it is produced, into a temporary file renamed into place
@@ -67,14 +68,21 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         if not self.path.is_file():
             raise MimaError(f"{self.path}: no such file")
         try:
-            self._handle = safe_open(str(self.path), framework="pt")
-        except (SafetensorError, OSError) as error:
-            raise self._refusal(error) from None
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as error:
+            raise MimaError(f"{self.path}: cannot be read ({error.strerror or error})") from None
         self._open = True
         try:
-            self._identity = _identity(os.stat(self.path))
-            self.metadata: dict[str, str] = self._handle.metadata() or {}
-            self.infos: dict[str, TensorInfo] = {key: self._info(key) for key in self._handle.offset_keys()}
+            self._identity = _identity(os.fstat(self._fd))
+            try:
+                # the library checks the header (it maps the file while open; no tensor data is touched)
+                with safe_open(str(self.path), framework="pt") as handle:
+                    self.metadata: dict[str, str] = handle.metadata() or {}
+                    order = list(handle.offset_keys())
+                    self.infos: dict[str, TensorInfo] = {key: self._info(handle, key) for key in order}
+            except (SafetensorError, OSError) as error:
+                raise self._refusal(error) from None
+            self._offsets = self._read_offsets()
         except BaseException:
             self.close()
             raise
@@ -87,39 +95,63 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         what = "truncated, or damaged" if "not fully covered" in reason else "not a safetensors file, or a damaged one"
         return MimaError(f"{self.path}: {what} (safetensors: {reason})")
 
-    def _info(self, key: str) -> TensorInfo:
-        view = self._handle.get_slice(key)  # the header's entry; reads no data
+    def _info(self, handle, key: str) -> TensorInfo:
+        view = handle.get_slice(key)  # the header's entry; reads no data
         name = view.get_dtype()
         if name not in DTYPES:
             raise MimaError(f"{self.path}: tensor '{key}' has dtype {name}; mima reads {', '.join(DTYPES)}")
         return TensorInfo(torch.Size(view.get_shape()), DTYPES[name])
+
+    def _read_offsets(self) -> dict[str, tuple[int, int]]:
+        """Each tensor's byte range in the file, from the header the library has just checked."""
+        length = struct.unpack("<Q", self._pread(8, 0, "the header"))[0]
+        header = json.loads(self._pread(length, 8, "the header"))
+        start = 8 + length
+        offsets = {}
+        for key in self.infos:
+            begin, end = header[key]["data_offsets"]
+            offsets[key] = (start + int(begin), int(end) - int(begin))
+        return offsets
+
+    def _pread(self, size: int, offset: int, what: str) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise self._changed(what)
+        return data
+
+    def _changed(self, what: str) -> MimaError:
+        _, size, _ = _identity(os.fstat(self._fd))
+        how = "truncated" if size < self._identity[1] else "changed"
+        return MimaError(f"{self.path}: {how} while being read ({what}); an input must stay as it is during a merge, run it again")
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self.infos:
             raise KeyError(key)  # as a Mapping should
         if not self._open:
             raise MimaError(f"{self.path}: read after the file was closed (tensor '{key}')")
-        if self._cut_short():
-            raise MimaError(f"{self.path}: truncated while being read (before tensor '{key}')")
-        try:
-            mapped = self._handle.get_tensor(key)
-        except (SafetensorError, OSError) as error:
-            raise self._refusal(error) from None
-        # A copy the caller owns: the view would keep the whole mapping alive, and the caller's
-        # in-place changes would land in it as anonymous copy-on-write pages (see the module text).
-        return mapped.clone()
+        if self._has_changed():
+            raise self._changed(f"before tensor '{key}'")
+        info = self.infos[key]
+        offset, size = self._offsets[key]
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < size:  # one read returns at most about 2 GiB
+            try:
+                count = os.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise MimaError(f"{self.path}: cannot be read ({error.strerror or error}; tensor '{key}')") from None
+            if count == 0:
+                raise self._changed(f"tensor '{key}'")
+            done += count
+        if self._has_changed():  # rewritten while the bytes were read: they may be half old, half new
+            raise self._changed(f"tensor '{key}'")
+        return buffer.view(info.dtype).reshape(info.shape)
 
-    def _cut_short(self) -> bool:
-        """Whether the opened file has shrunk in place since it was opened.
-
-        The mapping covers the file as it was: touching a page past a shortened end would kill the
-        process (SIGBUS), so such a file is refused instead. A file replaced by a rename or removed
-        is no danger: the mapping still holds the old inode."""
-        try:
-            identity, size = _identity(os.stat(self.path))
-        except FileNotFoundError:
-            return False
-        return identity == self._identity[0] and size < self._identity[1]
+    def _has_changed(self) -> bool:
+        """Whether the opened file (the descriptor's inode) has changed size or been written since it
+        was opened. A file replaced by a rename or removed is not a change: the old inode is read."""
+        return _identity(os.fstat(self._fd))[1:] != self._identity[1:]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.infos)
@@ -128,10 +160,10 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         return len(self.infos)
 
     def close(self) -> None:
-        """Let go of the file (and its mapping: no tensor handed out refers to it)."""
+        """Let go of the file."""
         if self._open:
             self._open = False
-            self._handle.__exit__(None, None, None)
+            os.close(self._fd)
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -140,9 +172,9 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         self.close()
 
 
-def _identity(stat: os.stat_result) -> tuple[tuple[int, int], int]:
-    """(device, inode) and size: which file a path names, and how long it is."""
-    return (stat.st_dev, stat.st_ino), stat.st_size
+def _identity(stat: os.stat_result) -> tuple[tuple[int, int], int, int]:
+    """(device, inode), size and modification time: which file a descriptor holds, and its state."""
+    return (stat.st_dev, stat.st_ino), stat.st_size, stat.st_mtime_ns
 
 
 class SafetensorsWriter:

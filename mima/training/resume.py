@@ -10,6 +10,7 @@ K, W, mode) is refused: that is the user's mistake, not damage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,15 @@ from mima.training.checkpoint_format import references, saved_states
 RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size", "mode")
 
 
-def run_identity(tasks: list[str], steps: int, iterations: int, world_size: int, mode: str = "mima") -> dict:
-    """What a checkpoint must agree on to be resumed by a run."""
+def run_identity(tasks: list[str], steps: int, iterations: int, world_size: int, mode: str = "mima",
+                 lengths: Sequence[int] | None = None) -> dict:
+    """What a checkpoint must agree on to be resumed by a run. `steps_per_phase` is K with equal
+    phases (as every checkpoint written before phase schedules says) and the list of the phases'
+    lengths otherwise."""
+    lengths = list(lengths) if lengths else [steps // iterations] * iterations
     identity = {"tasks": list(tasks), "steps": steps, "iterations": iterations,
-                "steps_per_phase": steps // iterations, "world_size": world_size, "mode": mode}
+                "steps_per_phase": lengths[0] if len(set(lengths)) == 1 else lengths, "world_size": world_size,
+                "mode": mode}
     assert tuple(identity) == RUN_IDENTITY_KEYS
     return identity
 

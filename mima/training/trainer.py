@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -35,8 +36,10 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
+from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
 from mima.config.run_config import config_error_text
 from mima.core.layout import TaskLayout
+from mima.core.run_lock import RunLock
 from mima.training.checkpoint_callback import MimaCheckpoint
 from mima.training.joint import JointFinalCallback
 from mima.training.module import MimaModule
@@ -103,6 +106,20 @@ class MimaCLI(LightningCLI):
             raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
         _set_threads(config.get("threads_per_process"))
         self.run_dir = resolve_run_dir(config.get("out"), config)
+        # One job per run folder: process 0 of the job holds the lock from here to the end of run_fit (the
+        # job's other processes are its own); every check below reads the folder under it.
+        self.lock: RunLock | None = RunLock(self.run_dir, "mima fit").acquire() if launch_rank() == 0 else None
+        try:
+            return self.instantiate_locked(config, trainer_config, kwargs)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def instantiate_locked(self, config, trainer_config, kwargs: dict[str, Any]):
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         self.launch: Launch | None = None
@@ -146,7 +163,26 @@ class MimaCLI(LightningCLI):
         identity = run_identity(self.datamodule.task_names, hparams.steps, 1 if hparams.mode == JOINT else hparams.iterations,
                                 world_size, hparams.mode)
         resume_states, notes = resolve_resume(self.config.get("ckpt_path"), self.run_dir, layout, identity)
-        return Launch(layout, identity, resume_states, notes)
+        changes = self.check_resumed_config(resume_states)
+        return Launch(layout, identity, resume_states, notes, changes)
+
+    def check_resumed_config(self, resume_states: dict[int, Path] | None) -> ConfigChanges | None:
+        """A resume goes on with the config its run was trained with: compare the stored config.yaml
+        with this command's config and refuse, in one line, any change that would alter the weights
+        (mima.config.config_changes). Read before anything is written, by every process alike (only
+        changes that are accepted can differ between what two processes read). None: nothing to check
+        (not a resume, or a resume that starts afresh: no state of the earlier attempt is used)."""
+        run = RunFolder(self.run_dir)
+        hparams = self.model.hparams
+        if self.config.get("ckpt_path") is None or not run.config_file.is_file():
+            return None
+        if resume_states is None and not _finished(run, self.datamodule.task_names, hparams.mode):
+            return None
+        stored = run.config_dict()
+        new = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
+        changes = compare_configs(stored, new, _same_layout)
+        refuse_changes(changes, str(run.config_file))
+        return changes
 
 
 @dataclass(frozen=True)
@@ -157,6 +193,15 @@ class Launch:
     identity: dict  # what a saved state must agree on to be resumed (mima.training.resume)
     resume_states: dict[int, Path] | None  # rank -> state file of the cut to resume; None: a fresh start
     notes: list[str]  # files the resume passed over, and why
+    config_changes: ConfigChanges | None = None  # a resume's accepted changes to config.yaml (recorded in the run)
+
+
+def _same_layout(stored: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether a resume may change trainer.devices / num_nodes: while elastic resume is not there, only
+    when the number of processes stays the same (both plain numbers)."""
+    before = configured_world_size(stored.get("trainer") or {})
+    after = configured_world_size(new.get("trainer") or {})
+    return before is not None and before == after
 
 
 def configured_world_size(trainer_config: Mapping[str, Any]) -> int | None:
@@ -298,6 +343,13 @@ class FitResult:
 def run_fit(args: list[str] | dict | None = None) -> FitResult:
     """Run `mima fit`; returns the run folder and whether a signal stopped it early."""
     cli = build_cli(args)
+    try:
+        return _run_fit(cli)
+    finally:
+        cli.release_lock()
+
+
+def _run_fit(cli: MimaCLI) -> FitResult:
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run_dir: Path = cli.run_dir
     run = RunFolder(run_dir)
@@ -322,6 +374,10 @@ def run_fit(args: list[str] | dict | None = None) -> FitResult:
             steps = sorted({int(p.name.split("step-")[1][:8]) for p in (resume_states or {}).values()})
             print(f"mima fit: resuming from process steps {', '.join(map(str, steps))} ({run.checkpoints_dir})"
                   if resume_states else "mima fit: no checkpoint yet, starting fresh")
+        if launch.config_changes is not None and launch.config_changes.harmless:
+            run.append_config_changes(launch.config_changes.record())
+            print(f"mima fit: config changes that cannot change the weights, recorded in {run.config_changes_file.name}: "
+                  + ", ".join(launch.config_changes.harmless))
         run.write_config(cli.parser.dump(cli.config, skip_none=False))
     trainer.strategy.resume_states = resume_states
     trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
