@@ -9,6 +9,7 @@
     mima convert --from hf-clip HF_DIR_OR_FILE --output OUT.safetensors | --to hf-clip ENC.safetensors --output DIR
     mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
     mima data cache --config FILE [--data.root DIR] [--workers N]   decode a config's tasks once (data.cache)
+    mima data splits --config FILE --out DIR [--data.root DIR]   each task's train/val/test indices (JSON)
     mima analyze cosine|landscape|rank-sweep|ctl|gradients ...   why a merge works (plots + numbers)
     mima report DIR [--out DIR]                     one Markdown + HTML page for a run or a sweep
 
@@ -41,6 +42,7 @@ COMMANDS = {
 DATA_COMMANDS = {
     "check": "list, per task, the files and folders expected under --root and which are missing (exit 1 if any)",
     "cache": "decode, resize and crop a config's tasks once into uint8 files (what `data.cache: true` reads)",
+    "splits": "write each task's train/val/test example indices (JSON, one file per task) to audit or share them",
 }
 
 
@@ -284,10 +286,13 @@ def data_command(argv: Sequence[str]) -> int:
     """Exit status of `mima data check`: 0 when every checked task is found, 1 otherwise."""
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mima data SUBCOMMAND [options]\n\nsubcommands:")
-        print("\n".join(f"  {name:<6} {text}" for name, text in DATA_COMMANDS.items()))
+        print("\n".join(f"  {name:<7} {text}" for name, text in DATA_COMMANDS.items()))
         return 0
     if argv[0] == "cache":
         cache_command(argv[1:])
+        return 0
+    if argv[0] == "splits":
+        splits_command(argv[1:])
         return 0
     if argv[0] != "check":
         raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
@@ -334,6 +339,33 @@ def cache_command(argv: Sequence[str]) -> None:
         sizes = ", ".join(f"{split} {len(cached)}" for split, cached in task.splits.items())
         print(f"mima data cache: {task.name}: {sizes} images ({'augmented' if task.augment else 'not augmented'} in training)")
     print(f"mima data cache: in {data.cache_folder}")
+
+
+def splits_command(argv: Sequence[str]) -> None:
+    from mima.data.splits import task_split_record, write_split_file
+
+    parser = _OneLineParser(
+        prog="mima data splits",
+        description="Write, for each task of a `mima fit` config, the example indices of its train, val and test "
+        "splits to OUT/<task>.json: indices into the dataset each split is read from (`from`: the task's training "
+        "split, a validation split it ships, or its test split), in the order torchvision or the folder listing "
+        "gives them. Validation is carved as task_vectors carves it (random_split, manual_seed(data.split_seed), "
+        "the permutation's tail, 10%% of the training split, at most 5000). Nothing is decoded.",
+    )
+    _add_config_arguments(parser)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files (one per task)")
+    options = parser.parse_args(argv)
+    config = _config_with_root(options)
+    data = config.datamodule()
+    seed = int(config.data.split_seed)
+    with no_empty_folder_left(options.out):
+        records = [task_split_record(spec, config.data.root, seed) for spec in data.task_specs]
+        options.out.mkdir(parents=True, exist_ok=True)
+        for record in records:
+            path = write_split_file(record, options.out)
+            sizes = ", ".join(f"{split} {record[split]['size']} (of {record[split]['from']})" for split in ("train", "val", "test"))
+            print(f"mima data splits: {record['task']}: {sizes} -> {path}")
+
 
 
 # ---------------------------------------------------------------------------- analyze

@@ -53,7 +53,9 @@ class TaskPool:
     def loader(self, task: str, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
         dataset = getattr(self.splits[task], split)
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator if shuffle else None)
+        pin = next(self.encoder.parameters()).device.type == "cuda"
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator if shuffle else None,
+                          pin_memory=pin)
 
     def examples(self, task: str, split: str, count: int, batch_size: int = 32, seed: int | None = None):
         """Batches (images, labels) of `count` examples drawn in a fixed random order."""

@@ -23,6 +23,7 @@ from mima.core.errors import MimaError
 from mima.data.check import STATUS_FOUND, check_task
 from mima.data.clip_tasks import REAL_TASKS, TASKS, require_files
 from mima.data.datamodule import resolve_run_tasks
+from mima.data.settings import benchmark_tasks
 from mima.data.image_folder import as_folder_task
 from mima.data.tasks import TaskSpec
 from mima.models.clip import (
@@ -81,7 +82,8 @@ def _fetch_data(data: dict, report: Callable[[str], None]) -> str | None:
     under data.root; what is still missing afterwards, on one line (None: nothing)."""
     try:
         custom = [as_folder_task(task, i) for i, task in enumerate(data.get("custom_tasks") or [])]
-        specs = resolve_run_tasks(data.get("suite"), data.get("tasks"), custom)
+        tasks = benchmark_tasks(data.get("suite"), data.get("tasks"), data.get("benchmark"))
+        specs = resolve_run_tasks(data.get("suite"), tasks, custom)
     except MimaError as exc:
         return str(exc)
     custom_names = {task.name for task in custom}

@@ -250,7 +250,9 @@ def _run_settings(run: Path) -> list[str]:
     trainer = config.other.get("trainer") or {}
     return [
         f"model `{model.clip}` (pretrained: {model.pretrained or 'none'}), heads `{model.heads}`",
-        f"tasks: {', '.join(data.tasks or [])} (suite `{data.suite}`)",
+        f"tasks: {', '.join(data.tasks or [])}"
+        + (f"benchmark {data.benchmark}" if getattr(data, "benchmark", None) is not None else "")
+        + f" (suite `{data.suite}`)",
         f"S = {model.steps} steps per task, N = {model.iterations} phases of K = {model.steps // model.iterations} steps; "
         f"lr {model.lr}, batch {data.batch_size}, schedule {model.lr_schedule}, optimiser state {model.optimizer_state}",
         f"trainer: {trainer.get('accelerator')} x {trainer.get('devices')} device(s), {trainer.get('num_nodes', 1)} node(s), "

@@ -2,6 +2,7 @@
 
     core  <-  data  <-  config  <-  models  <-  training  (one direction: a lower layer never imports a higher one)
     core  <-  merging                                   (strategies and the streaming engine: core only)
+    merging  <-  training                               (the phase-end operator, model.sync_merge, is a merge)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
     analysis, then the commands (sweep, demo, report, merge_command, prefetch, the convert package), then the CLI
@@ -28,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"core"},
     "config": {"core", "data"},  # the run configuration: read by every command, imports no Lightning
     "models": {"core", "data", "config"},
-    "training": {"core", "data", "config", "models"},
+    "training": {"core", "data", "config", "models", "merging"},  # the phase-end operator is a merge
     "merging": {"core"},
     "evaluation": {"core", "data", "config", "models"},
     "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},

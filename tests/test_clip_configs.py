@@ -20,7 +20,9 @@ import pytest
 import torch
 import yaml
 
+from mima.core.errors import MimaError
 from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
+from mima.data.settings import DataSettings
 from mima.models.heads import task_heads
 from mima.core.plan import check_budget
 from mima.training.trainer import build_cli
@@ -60,11 +62,31 @@ def test_config_is_accepted_and_holds_the_paper_recipe(name):
     assert model["iterations"] == 20
     for n in SWEEP_N:  # every element of the sweep array is a valid run of this config
         check_budget(model["steps"], n)
-    assert data["suite"] == "clip" and tuple(data["tasks"]) == EIGHT == BENCHMARKS["8"]
+    assert data["suite"] == "clip" and str(data["benchmark"]) == "8" and data["tasks"] is None
+    assert tuple(DataSettings(**data).task_list()) == EIGHT == BENCHMARKS["8"]
     assert data["batch_size"] == 128
     assert "SET" in data["root"] and not Path(data["root"]).exists()  # a placeholder users must replace
     assert trainer["accelerator"] == "gpu" and trainer["precision"] == "bf16-mixed"
     assert "openai" in open_clip.list_pretrained_tags_by_model(name)
+
+
+@pytest.mark.parametrize("benchmark, count", [("14", 14), ("20", 20)])
+def test_one_config_per_model_runs_the_14_and_20_task_benchmarks(benchmark, count):
+    data = _printed_config(CONFIGS["ViT-L-14"], "--data.benchmark", benchmark)["data"]
+    tasks = DataSettings(**data).task_list()
+    assert len(tasks) == len(set(tasks)) == count and tuple(tasks[:8]) == EIGHT
+    assert {"FER2013", "PCAM", "STL10"} <= set(tasks) and ({"KMNIST", "Food101"} <= set(tasks)) == (count == 20)
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"suite": "clip", "benchmark": 12}, "data.benchmark: unknown benchmark '12' (known: 8, 14, 20)"),
+    ({"suite": "clip", "benchmark": 8, "tasks": ["MNIST"]}, "set either data.tasks or data.benchmark (8), not both"),
+    ({"suite": "digits", "benchmark": "8"}, "names a task list of suite clip, not of suite 'digits'"),
+])
+def test_benchmark_mistakes_are_one_line(data, fragment):
+    with pytest.raises(MimaError) as raised:
+        DataSettings(**data)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_command_line_overrides_the_placeholder_root():

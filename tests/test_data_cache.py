@@ -142,6 +142,32 @@ def test_a_torchvision_dataset_is_fingerprinted_by_the_files_of_its_own_folder(t
     assert all(now != then for now, then in zip(fingerprints(), before))  # the folder is hashed whole
 
 
+def test_fer2013_is_fingerprinted_by_its_own_folder_not_the_whole_data_root(tmp_path):
+    """FER2013 takes the data root itself as its root (torchvision reads ROOT/fer2013/fer2013.csv):
+    its fingerprint reads only ROOT/fer2013, so files of other tasks under the root leave it alone.
+    (torchvision checks the csv's md5, so a fake csv cannot be parsed; the fingerprint needs only
+    the dataset's root, set by VisionDataset's own constructor.)"""
+    from torchvision.datasets import FER2013, VisionDataset
+
+    (tmp_path / "fer2013").mkdir()
+    (tmp_path / "fer2013" / "fer2013.csv").write_text("emotion,pixels,Usage\n0," + " ".join(["7"] * 2304) + ",Training\n")
+    _write_pngs(tmp_path / "sun397" / "train")
+
+    def fingerprint() -> str:
+        dataset = FER2013.__new__(FER2013)
+        VisionDataset.__init__(dataset, str(tmp_path))  # what FER2013(str(root)) sets before reading the csv
+        return source_fingerprint(dataset)
+
+    before = fingerprint()
+    Image.fromarray(np.zeros((5, 5, 3), np.uint8)).save(tmp_path / "sun397" / "train" / "dark" / "new.png")
+    (tmp_path / "MNIST" / "raw").mkdir(parents=True)
+    (tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"another task's file")
+    (tmp_path / "notes.txt").write_text("beside every task")
+    assert fingerprint() == before
+    (tmp_path / "fer2013" / "icml_face_data.csv").write_text("another copy")
+    assert fingerprint() != before  # its own folder is read
+
+
 def test_tensor_suites_are_refused_with_one_line(tmp_path):
     preprocess, _ = _transforms(16)
     data = TaskSuiteDataModule(suite="digits", tasks=["rot90"], cache=True, cache_dir=str(tmp_path))
@@ -233,6 +259,53 @@ def test_cached_training_batches_of_a_folder_task_are_cropped_on_the_device(tmp_
     crop = images[row:row + 1, :, top:top + height, left:left + width].float() / 255
     expected = (F.interpolate(crop, size=(20, 20), mode="bicubic", align_corners=False).clamp(0, 1)[0] - mean) / std
     assert float((prepared[row, :, 3:-3, 3:-3] - expected[:, 3:-3, 3:-3]).abs().max()) <= 1e-4
+
+
+def _per_image_batches(tmp_path: Path, workers: int, start: int, device: str = "cpu"):
+    """The per-image path (no cache) of a folder task with open_clip's training transform: the
+    training loader from process step `start` on, read by `workers` workers."""
+    from types import SimpleNamespace
+
+    from mima.data.datamodule import TrainingSetup
+
+    data = TaskSuiteDataModule(suite=None, custom_tasks=[{"name": "pngs", "path": str(tmp_path / "pngs")}],
+                               batch_size=8, seed=1, num_workers=workers)
+    preprocess, preprocess_train = _transforms(20)
+    data.connect(TrainingSetup(image_size=20, preprocess=preprocess, preprocess_train=preprocess_train,
+                               steps=6, iterations=2, layout=None, rank=0))
+    data.trainer = SimpleNamespace(global_step=start, strategy=SimpleNamespace(root_device=torch.device(device)))
+    return data.train_dataloader()
+
+
+def test_per_image_augmented_batches_depend_on_the_step_not_on_workers_or_the_global_rng(tmp_path):
+    """Each example's random resized crop is drawn from its draw seed (data seed, task, per-task step,
+    position): the same batches with 0 or 2 workers, after other draws from the global RNG, and from a
+    resumed step; the training transform does crop (two reads of one example at two steps differ)."""
+    _write_pngs(tmp_path / "pngs")
+    reference = [batch for batch in _per_image_batches(tmp_path, 0, 0)]
+    assert len(reference) == 6
+    torch.manual_seed(1234)
+    torch.rand(17)
+    for workers, start in ((2, 0), (0, 3), (1, 2)):
+        batches = list(_per_image_batches(tmp_path, workers, start))
+        assert len(batches) == 6 - start
+        for (images, labels, slots), (want_images, want_labels, _) in zip(batches, reference[start:]):
+            assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+    # the transform is random: one example read with two draws differs; the global RNG is left as it was
+    plain = TaskSuiteDataModule(suite=None, custom_tasks=[{"name": "pngs", "path": str(tmp_path / "pngs")}])
+    dataset = plain.task_data("pngs", 20, _transforms(20)[0], _transforms(20)[1]).train
+    from mima.data.sampler import MultiTaskDataset
+
+    state = torch.get_rng_state()
+    reads = [MultiTaskDataset([dataset])[(0, 0, draw)][0] for draw in (1, 2, 1)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(reads[0], reads[2]) and not torch.equal(reads[0], reads[1])
+
+
+def test_training_loaders_pin_memory_on_a_cuda_device_only(tmp_path):
+    _write_pngs(tmp_path / "pngs")
+    assert _per_image_batches(tmp_path, 0, 0, "cuda").pin_memory
+    assert not _per_image_batches(tmp_path, 0, 0, "cpu").pin_memory
 
 
 # ---------------------------------------------------------------------------------- mima fit

@@ -368,3 +368,52 @@ def test_a_sync_merge_that_cannot_run_at_the_sync_is_one_line(tmp_path, small_cl
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def _folder_task(folder: Path, seed: int) -> None:
+    """Two classes of PNGs of mixed sizes and aspect ratios (a random resized crop of each differs)."""
+    from PIL import Image
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for label, name in enumerate(("dark", "light")):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(14):
+            height, width = int(rng.integers(16, 40)), int(rng.integers(16, 40))
+            pixels = np.clip(60 + 120 * label + rng.normal(0, 50, (height, width, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / name / f"{i:02d}.png")
+
+
+def _folder_config(path: Path, clip: str, root: Path, devices: int, workers: int, callbacks=()) -> Path:
+    """write_config's run on two custom folder tasks: the per-image path, with open_clip's training
+    transform (RandomResizedCrop) on their training splits, read by `workers` DataLoader workers."""
+    config = yaml.safe_load(write_config(path, clip, TWO, devices, callbacks).read_text())
+    config["data"] = {"suite": None, "batch_size": 8, "seed": 3, "num_workers": workers,
+                      "custom_tasks": [{"name": name, "path": str(root / name)} for name in ("one", "two")]}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_augmented_per_image_runs_are_bit_identical_after_a_kill_and_at_two_processes(tmp_path, small_clip):
+    """Each training example's random crop is drawn from (data seed, task, per-task step, position in
+    the batch), not from a worker's RNG: a run SIGKILLed mid-phase and resumed (with workers), and the
+    run at W = 2, end with the uninterrupted W = 1 run's task models, bit for bit."""
+    _folder_task(tmp_path / "data" / "one", seed=1)
+    _folder_task(tmp_path / "data" / "two", seed=2)
+    tasks = ["one", "two"]
+    whole = run_job(_folder_config(tmp_path / "whole.yaml", small_clip, tmp_path / "data", 1, 0), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    reference = finals(tmp_path / "whole", tasks)
+
+    out = tmp_path / "run"
+    killed = run_job(_folder_config(tmp_path / "kill.yaml", small_clip, tmp_path / "data", 1, 0, [("KillAtStep", {"step": 13})]), out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run_job(_folder_config(tmp_path / "plain.yaml", small_clip, tmp_path / "data", 1, 2), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert_identical(finals(out, tasks), reference)
+
+    two = run_job(_folder_config(tmp_path / "two.yaml", small_clip, tmp_path / "data", 2, 1), tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_identical(finals(tmp_path / "two", tasks), reference)

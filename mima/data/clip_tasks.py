@@ -15,12 +15,43 @@ usable torchvision reader and are read as folders of class folders, as task_vect
             Testing_01), e.g. sun397/train/a_apartment_building_outdoor/
 `mima data check --root ROOT` prints what each task expects and what is missing, file by file.
 
-Splits (the task_vectors rules): test is the dataset's test split (for DTD and SUN397 it lives in
-the folder named `val`, as in task_vectors); validation is carved from the training split with a
-fixed seed, 10% of it and at most 5000 images (`mima.data.splits.carve_validation`), except for
-EuroSAT, whose `val` folder is its validation split (task_vectors' EuroSATVal). Official
-validation splits of other datasets (Flowers102, PCAM, RenderedSST2, RESISC45) are not used, as
-in task_vectors. Images go through the model's preprocessing after a conversion to RGB: the
+Splits (the task_vectors rules, `mima data splits --config FILE --out DIR` writes them): test is
+the dataset's test split (for DTD and SUN397 it lives in the folder named `val`, as in
+task_vectors); validation is carved from the training split exactly as task_vectors'
+`split_train_into_train_val` carves it (`mima.data.splits.carve_validation`: torch's random_split
+of [n - v, v] with `torch.Generator().manual_seed(0)`, v = min(int(0.1 n), 5000), validation the
+permutation's TAIL), except for EuroSAT, whose `val` folder is its validation split (task_vectors'
+EuroSATVal, the only dataset of task_vectors and tall_masks with a "Val" class of its own). Official
+validation splits of other datasets are not used, as in task_vectors/tall_masks (Flowers102 trains
+on torchvision's "train" split alone, PCAM on "train", RenderedSST2 on "train", RESISC45 on
+resisc45-train.txt; their "val" parts are left out). Indices are into the training split as the
+reader lists it (torchvision's order; ImageFolder's order for the folder-read tasks), n below is
+the size of the full official training split:
+
+  task           training split read            validation                       test
+  Cars           StanfordCars train (8,144)     carved: 814                      StanfordCars test (8,041)
+  DTD            dtd/train (3,760)              carved: 376                      dtd/val (1,880)
+  EuroSAT        EuroSAT_splits/train (21,600)  EuroSAT_splits/val (2,700)       EuroSAT_splits/test (2,700)
+  GTSRB          GTSRB train (26,640)           carved: 2,664                    GTSRB test (12,630)
+  MNIST          MNIST train (60,000)           carved: 5,000 (train[0]: 36044)  MNIST test (10,000)
+  RESISC45       resisc45-train.txt (18,900)    carved: 1,890                    resisc45-test.txt (6,300)
+  SUN397         sun397/train (19,850)          carved: 1,985                    sun397/val (19,850)
+  SVHN           SVHN train (73,257)            carved: 5,000                    SVHN test (26,032)
+  STL10          STL10 train (5,000)            carved: 500                      STL10 test (8,000)
+  OxfordIIITPet  trainval (3,680)               carved: 368                      test (3,669)
+  Flowers102     train (1,020)                  carved: 102                      test (6,149)
+  CIFAR100       train (50,000)                 carved: 5,000                    test (10,000)
+  PCAM           train (262,144)                carved: 5,000                    test (32,768)
+  FER2013        train (28,709)                 carved: 2,870                    test (7,178)
+  CIFAR10        train (50,000)                 carved: 5,000                    test (10,000)
+  Food101        train (75,750)                 carved: 5,000                    test (25,250)
+  FashionMNIST   train (60,000)                 carved: 5,000                    test (10,000)
+  RenderedSST2   train (6,920)                  carved: 692                      test (1,821)
+  EMNIST         digits train (240,000)         carved: 5,000                    digits test (40,000)
+  KMNIST         train (60,000)                 carved: 5,000                    test (10,000)
+
+The sizes are those of the published datasets (carved = min(int(0.1 n), 5000)); a root with other
+files gives other sizes by the same rule. Images go through the model's preprocessing after a conversion to RGB: the
 training split through its training transform (`LoadOptions.preprocess_train`: open_clip's
 RandomResizedCrop, scale 0.9-1.0, as task_vectors' `finetune.py` trains on `train_preprocess`),
 validation (also where it is carved from the training split) and test through its evaluation

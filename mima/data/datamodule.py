@@ -19,6 +19,7 @@ from mima.data.cache_store import CachedTask, default_data_cache_dir, eval_geome
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.settings import DataSettings
+from mima.data.splits import SPLIT_RULE
 from mima.data.registry import DEFAULT_TASKS, resolve_tasks, task_names
 from mima.data.sampler import JointBatchSampler, MultiTaskDataset, PhaseBatchSampler
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
@@ -86,7 +87,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
     def __init__(self, **options) -> None:
         super().__init__()
         settings = DataSettings(**options)
-        suite, tasks, root, download = settings.suite, settings.tasks, settings.root, settings.download
+        suite, tasks, root, download = settings.suite, settings.task_list(), settings.root, settings.download
         custom_tasks, cache_dir = settings.custom_tasks, settings.cache_dir
         folder_tasks = [as_folder_task(task, i) for i, task in enumerate(custom_tasks or [])]
         # cache_dir is kept out of hparams: Lightning merges the module's and the datamodule's hparams
@@ -168,7 +169,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
     @property
     def data_key(self) -> str:
         """What identifies the training data of this module's tasks (a cache key for linear probes)."""
-        key = f"{self.hparams.suite}|{self.hparams.root}|{self.hparams.split_seed}"
+        key = f"{self.hparams.suite}|{self.hparams.root}|{self.hparams.split_seed}|{SPLIT_RULE}"
         custom = self.hparams.get("custom_tasks") or []
         return key + "".join(f"|{task['name']}={task['path']}" for task in custom)
 
@@ -215,20 +216,27 @@ class TaskSuiteDataModule(L.LightningDataModule):
         sizes = [len(dataset) for dataset in local]
         start = self.trainer.global_step  # restored before this is called: resume where it stopped
         seed, batch_size = self.hparams.seed, self.hparams.batch_size
+        # Every example carries its draw seed (data seed, task, per-task step, position in the step's
+        # batch): its random crop comes from it, on the device (cached) or in the loader (per image),
+        # never from a worker's global RNG, so batches are the same at any W, any worker count and
+        # after a resume.
         if process.mode == JOINT:
             sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard,
-                                        setup.accumulate, draws=cached)
+                                        setup.accumulate, draws=True)
         else:
             sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard, setup.accumulate,
-                                        draws=cached)
+                                        draws=True)
+        # batches pinned on a CUDA run, for non-blocking copies (Lightning copies with non_blocking=True)
+        pin = self.trainer.strategy.root_device.type == "cuda"
         if not cached:
             return DataLoader(
                 MultiTaskDataset(local),
                 batch_sampler=sampler,
                 num_workers=self.hparams.num_workers,
                 persistent_workers=self.hparams.num_workers > 0,
+                pin_memory=pin,
             )
-        # whole uint8 batches, pinned for non-blocking copies (Lightning copies with non_blocking=True)
+        # whole uint8 batches
         dataset = CachedTrainingSet(local, [task.augment for task in tasks], crop_settings(setup.preprocess_train),
                                     setup.image_size)
         return DataLoader(
@@ -237,7 +245,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
             collate_fn=whole_batch,
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
-            pin_memory=self.trainer.strategy.root_device.type == "cuda",
+            pin_memory=pin,
         )
 
 

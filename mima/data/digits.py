@@ -5,7 +5,11 @@ each task needs its own features:
   upright   the digits as written (the domain the embedded CLIP is pretrained on)
   rot90 / rot180 / rot270   rotated counter-clockwise by that many degrees
   mirror    flipped left-right
-Splits are shared by all tasks: 30% test, then validation = 10% of the rest (fixed seeds).
+Splits are shared by all tasks: a fixed 30% test holdout (scikit-learn ships no split), then
+validation carved from the other 1258 images by task_vectors' rule (`mima.data.splits.carve_validation`:
+`random_split` with `manual_seed(split_seed)`, the permutation's tail, 10% = 125 images), leaving
+1133 for training. Each split is a Subset of the 1797 images, so `mima data splits` reports its
+indices into scikit-learn's order.
 Images are scaled to [-1, 1], upsampled bilinearly to the model's input size, three channels.
 The splits are tensor datasets built from `LoadOptions.image_size` alone: the model's transforms
 (`preprocess`, `preprocess_train`) are ignored and no split is augmented, so the demo's training
@@ -20,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from mima.data.splits import carve_validation, holdout_split
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
@@ -53,7 +57,8 @@ def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 def split_indices(split_seed: int) -> dict[str, torch.Tensor]:
-    """Indices of the train / val / test examples (the same for every task)."""
+    """Indices into the 1797 digits of the train / val / test examples (the same for every task;
+    train and val in the order of task_vectors' random_split)."""
     images, _ = _raw_digits()
     rest, test = holdout_split(len(images), TEST_FRACTION, TEST_SPLIT_SEED + split_seed)
     train_pos, val_pos = carve_validation(len(rest), split_seed)
@@ -74,7 +79,8 @@ def _loader(transform: str) -> Callable[[LoadOptions], TaskData]:
         """Tensor splits sized by options.image_size; options.preprocess(_train) are not used (no augmentation)."""
         pixels, labels = transformed_images(transform, options.image_size)
         splits = split_indices(options.split_seed)
-        return TaskData(**{name: TensorDataset(pixels[idx], labels[idx]) for name, idx in splits.items()})
+        everything = TensorDataset(pixels, labels)
+        return TaskData(**{name: Subset(everything, idx.tolist()) for name, idx in splits.items()})
 
     return load
 

@@ -28,8 +28,11 @@ command with its name, or with `bad_images: skip` is left out with a count. A fi
 
 Splits (fixed seeds, so every run and every merge sees the same images):
   test  PATH/test, or else a holdout of TEST_FRACTION of the training images;
-  val   PATH/val, or else carved from the training images: 10% of them, at most 5000 (the
-        task_vectors rule, `mima.data.splits.carve_validation`).
+  val   PATH/val, or else carved from the training images (what is left after the test holdout)
+        by the task_vectors rule (`mima.data.splits.carve_validation`): torch's random_split with
+        manual_seed(data.split_seed), validation the permutation's tail, 10% of the images, at
+        most 5000. Indices are into the folder's listing: classes in sorted order, then files in
+        sorted order below each (torchvision ImageFolder's order); `mima data splits` writes them.
 Transforms: the training split goes through the model's training transform
 (`LoadOptions.preprocess_train`, open_clip's RandomResizedCrop as task_vectors trains) when one is
 given; validation and test always go through the evaluation transform (`LoadOptions.preprocess`),
@@ -158,10 +161,10 @@ def class_folders(folder: Path) -> list[str]:
 
 
 def image_files(folder: Path) -> list[str]:
-    """Every image file below `folder` (recursively, following links), in a fixed sorted order."""
+    """Every image file below `folder` (recursively, following links), in torchvision ImageFolder's
+    order (folders sorted by path, files sorted by name), so that split indices are ImageFolder's."""
     found = []
-    for directory, subdirs, files in os.walk(folder, followlinks=True):
-        subdirs.sort()
+    for directory, _, files in sorted(os.walk(folder, followlinks=True)):
         found += [os.path.join(directory, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
     return found
 
@@ -198,7 +201,8 @@ def scan_split(
 
 def with_validation(train: Dataset, val: Dataset | None, split_seed: int) -> tuple[Dataset, Dataset]:
     """(train, val): the given validation split, or else one carved from `train` by the task_vectors
-    rule (10% of the training set, at most 5000 examples, fixed seed)."""
+    rule (`carve_validation`: random_split with manual_seed(split_seed); validation is the
+    permutation's tail, 10% of the training set, at most 5000 examples; both in permutation order)."""
     if val is not None:
         return train, val
     train_idx, val_idx = carve_validation(len(train), split_seed)

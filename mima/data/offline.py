@@ -12,7 +12,8 @@ Tasks (10 classes each): mnist, fashion_mnist, digits, and derived variants that
 features: mnist_rot90 / fashion_mnist_rot90 (rotated a quarter turn counter-clockwise) and
 mnist_inverted (white background).
 
-Splits of this suite (sized for a 2-core CPU; fixed seeds):
+Splits of this suite (sized for a 2-core CPU; fixed seeds; its own rule, not task_vectors'; each
+split is a Subset of the official split, so `mima data splits` writes indices into it):
   train  the official training images minus validation
   val    400 images carved from the training images (digits: 10% of its training part)
   test   1000 images drawn from the official test split (digits: its fixed 30% holdout, 540)
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from mima.core.subsets import fixed_order
 from mima.data import digits as sklearn_digits
@@ -173,10 +174,12 @@ def _task(
         if transform is not None:
             train_x, test_x = transform(train_x), transform(test_x)
         index = suite_split_indices(len(train_y), len(test_y), options.split_seed)
+        # Subsets of the official splits, so that `mima data splits` reports indices into them
+        official = {"train": GreyImages(train_x, train_y, options.preprocess), "test": GreyImages(test_x, test_y, options.preprocess)}
         return TaskData(
-            train=GreyImages(train_x[index["train"]], train_y[index["train"]], options.preprocess),
-            val=GreyImages(train_x[index["val"]], train_y[index["val"]], options.preprocess),
-            test=GreyImages(test_x[index["test"]], test_y[index["test"]], options.preprocess),
+            train=Subset(official["train"], index["train"].tolist()),
+            val=Subset(official["train"], index["val"].tolist()),
+            test=Subset(official["test"], index["test"].tolist()),
         )
 
     return TaskSpec(name=name, classnames=classnames, templates=templates, load=load)

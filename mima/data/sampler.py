@@ -8,9 +8,12 @@ spread over several processes, and a single-task fine-tune all see the same batc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import random
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -49,7 +52,7 @@ class TaskStream:
 
 def draw_seed(seed: int, task: str, task_step: int, position: int) -> int:
     """The seed of example `position` of task `task`'s batch at per-task step `task_step`: what the
-    cached path's random crop of that example is drawn from. It depends on neither the process nor
+    random crop of that example is drawn from (on the cached path and the per-image path). It depends on neither the process nor
     the shard nor the worker, so augmented batches are the same at any W and after a resume."""
     digest = hashlib.sha256(f"mima/{seed}/{task}/draw/{task_step}/{position}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -60,8 +63,30 @@ def with_draws(pairs: list[tuple[int, int]], seed: int, task: str, task_step: in
     return [(slot, example, draw_seed(seed, task, task_step, position)) for (slot, example), position in zip(pairs, positions)]
 
 
+@contextlib.contextmanager
+def seeded_randomness(draw: int) -> Iterator[None]:
+    """Inside the block, torch's CPU generator, Python's `random` and numpy's global generator are
+    seeded from `draw`; after it, all three are back where they were. A transform that draws from
+    the global generators (torchvision's RandomResizedCrop, open_clip's colour jitter) then gives the
+    same output for the same draw in any process or DataLoader worker, whatever ran before."""
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(draw)  # the CPU generator only: CUDA's stay as they are
+    random.seed(draw)
+    np.random.seed(draw % (1 << 32))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 class MultiTaskDataset(Dataset):
-    """Indexed by (slot, example): returns (image, label, slot) from the slot-th task's dataset."""
+    """Indexed by (slot, example) or (slot, example, draw): returns (image, label, slot) from the
+    slot-th task's dataset. With a draw (`draw_seed`: data seed, task, per-task step, position in
+    the step's batch) the example is read, and its training transform's random crop drawn, under
+    `seeded_randomness(draw)`: an augmented batch is the same at any number of processes and
+    workers and after a resume, as on the cached path, and no worker seeding is needed."""
 
     def __init__(self, datasets: Sequence[Dataset]) -> None:
         self.datasets = list(datasets)
@@ -69,9 +94,13 @@ class MultiTaskDataset(Dataset):
     def __len__(self) -> int:
         return sum(len(d) for d in self.datasets)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: tuple[int, int]):
-        slot, example = index
-        image, label = self.datasets[slot][example]
+    def __getitem__(self, index: tuple[int, int] | tuple[int, int, int]):
+        slot, example = index[0], index[1]
+        if len(index) > 2:
+            with seeded_randomness(index[2]):
+                image, label = self.datasets[slot][example]
+        else:
+            image, label = self.datasets[slot][example]
         return image, label, slot
 
 
@@ -117,7 +146,7 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
         self.plan, self.start_step, self.accumulate = plan, start_step, accumulate
-        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) for the cached path
+        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) triples
         self.batch_size = batch_size * accumulate  # examples per optimiser step
         self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [
@@ -159,7 +188,7 @@ class JointBatchSampler(Sampler[list[tuple[int, int]]]):
         if len(train_sizes) != len(tasks):
             raise ValueError("one training-set size per task is needed")
         self.total_steps, self.start_step, self.accumulate = total_steps, start_step, accumulate
-        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) for the cached path
+        self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) triples
         self.batch_size = batch_size * accumulate  # examples of each task per optimiser step
         self.shard_slice = shard_slice(self.batch_size, shard)
         self.streams = [TaskStream(task, size, seed) for task, size in zip(tasks, train_sizes)]

@@ -22,7 +22,11 @@ class DataSettings:
         suite: task suite name (see `mima.data.registry.SUITES`); `custom` or null for a run of
             custom tasks only.
         tasks: task names in run order, from the suite and the custom tasks; None takes the
-            suite's default list followed by every custom task.
+            suite's default list (or `benchmark`'s) followed by every custom task.
+        benchmark: with suite `clip`, a benchmark's task list instead of `tasks`: "8" (Cars, DTD,
+            EuroSAT, GTSRB, MNIST, RESISC45, SUN397, SVHN), "14" (+ STL10, OxfordIIITPet,
+            Flowers102, CIFAR100, PCAM, FER2013) or "20" (+ CIFAR10, Food101, FashionMNIST,
+            RenderedSST2, EMNIST, KMNIST); null: `tasks` decides.
         root: data root for suites read from disk (unused by the embedded `digits` suite).
         batch_size: training batch size per task (split evenly over a task's replicas); with
             `trainer.accumulate_grad_batches: a` it is the micro-batch, and each optimiser step sees
@@ -30,7 +34,8 @@ class DataSettings:
         eval_batch_size: batch size for validation/test evaluation.
         num_workers: DataLoader worker processes.
         seed: data-order seed (each task's stream of permutations is keyed on it).
-        split_seed: seed of the train/validation split.
+        split_seed: seed of the train/validation split (task_vectors' random_split generator seed;
+            the default 0 gives task_vectors' own splits, `mima data splits` writes them).
         download: let torchvision download datasets missing under `root` (where it can; never
             needed for the bundled suites).
         custom_tasks: tasks read from folders of class folders (`mima.data.image_folder`), each
@@ -46,6 +51,7 @@ class DataSettings:
 
     suite: str | None = "digits"
     tasks: list[str] | None = None
+    benchmark: str | int | None = None
     root: str | None = None
     batch_size: int = 128
     eval_batch_size: int = 256
@@ -60,3 +66,26 @@ class DataSettings:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise MimaError(f"data.batch_size must be positive, got {self.batch_size}")
+        if self.benchmark is not None:
+            object.__setattr__(self, "benchmark", str(self.benchmark))  # `benchmark: 8` in YAML is an int
+            benchmark_tasks(self.suite, self.tasks, self.benchmark)  # its mistakes, now
+
+    def task_list(self) -> list[str] | None:
+        """The run's task names (`tasks`, or `benchmark`'s list; None: the suite's default list)."""
+        return benchmark_tasks(self.suite, self.tasks, self.benchmark)
+
+
+def benchmark_tasks(suite: str | None, tasks: list[str] | None, benchmark: str | int | None) -> list[str] | None:
+    """`tasks`, or the task list of `benchmark` (data.benchmark) where it is set."""
+    from mima.data.clip_tasks import BENCHMARKS
+
+    if benchmark is None:
+        return tasks
+    benchmark = str(benchmark)
+    if suite != "clip":
+        raise MimaError(f"data.benchmark: {benchmark} names a task list of suite clip, not of suite {suite!r}; set data.suite: clip or leave data.benchmark null")
+    if benchmark not in BENCHMARKS:
+        raise MimaError(f"data.benchmark: unknown benchmark {benchmark!r} (known: {', '.join(BENCHMARKS)})")
+    if tasks is not None:
+        raise MimaError(f"data.benchmark: set either data.tasks or data.benchmark ({benchmark}), not both")
+    return list(BENCHMARKS[benchmark])

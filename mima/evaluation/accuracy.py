@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -116,7 +116,16 @@ class TaskEvaluator:
         self.encoder = encoder
         self.heads = dict(heads)
         self.settings = settings if settings is not None else EvalSettings(batch_size=batch_size)
-        self.loaders = {name: self.settings.loader(ds) for name, ds in datasets.items()}
+        self.datasets = dict(datasets)
+        self._loaders: dict[tuple[str, bool], DataLoader] = {}
+
+    def loader(self, name: str) -> DataLoader:
+        """Task `name`'s loader (kept, so persistent workers live on); batches are pinned when the
+        settings say so or the encoder is on a CUDA device."""
+        pin = self.settings.pin_memory or next(self.encoder.parameters()).device.type == "cuda"
+        if (name, pin) not in self._loaders:
+            self._loaders[(name, pin)] = replace(self.settings, pin_memory=pin).loader(self.datasets[name])
+        return self._loaders[(name, pin)]
 
     def load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load weights strictly: a merged state dict must fit the encoder exactly."""
@@ -128,8 +137,8 @@ class TaskEvaluator:
         """(correct, total) per task; `on_task` hears each task's counts as soon as they are known."""
         self.load(state_dict)
         found = {}
-        for name in tasks if tasks is not None else list(self.loaders):
-            found[name] = count_correct(self.encoder, self.heads[name], self.loaders[name], self.settings.precision,
+        for name in tasks if tasks is not None else list(self.datasets):
+            found[name] = count_correct(self.encoder, self.heads[name], self.loader(name), self.settings.precision,
                                         should_stop)
             if on_task is not None:
                 on_task(name, found[name])

@@ -37,7 +37,7 @@ from mima.data import digits
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import save_state_dict
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the digits training split follows task_vectors' validation carve (the tail)
 TINY_DIGITS_RECIPE: dict = {
     "version": RECIPE_VERSION,
     "model_cfg": {

@@ -79,7 +79,7 @@ def encoder_features(encoder: nn.Module, dataset: Dataset, batch_size: int = 256
     encoder.eval()
     device = next(encoder.parameters()).device
     features, labels = [], []
-    for images, targets in DataLoader(dataset, batch_size=batch_size):
+    for images, targets in DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda"):
         features.append(F.normalize(encoder(images.to(device)).float(), dim=-1).cpu())
         labels.append(torch.as_tensor(targets))
     encoder.train(was_training)

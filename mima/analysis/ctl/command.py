@@ -126,7 +126,8 @@ def main(options: argparse.Namespace) -> dict:
     device = _device(options.device)
     encoder.to(device)
     weights_a, weights_b = _to(weights_a, device), _to(weights_b, device)
-    batches = _Images(DataLoader(ConcatDataset(subsets), batch_size=options.batch_size), device)
+    batches = _Images(DataLoader(ConcatDataset(subsets), batch_size=options.batch_size,
+                                 pin_memory=torch.device(device).type == "cuda"), device)
     result = cross_task_linearity(encoder, layers, weights_a, weights_b, batches, options.alphas, batch_dims)
     arithmetic = None
     if base is not None:

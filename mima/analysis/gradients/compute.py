@@ -193,7 +193,8 @@ def fine_tune_task(
     optimizer = make_optimizer(trainable_parameters(encoder).values(), settings)
     # One generator for the whole run: each epoch gets a new, reproducible order.
     loader = DataLoader(
-        train_set, batch_size=settings.batch_size, shuffle=True, generator=torch.Generator().manual_seed(settings.seed)
+        train_set, batch_size=settings.batch_size, shuffle=True, generator=torch.Generator().manual_seed(settings.seed),
+        pin_memory=next(encoder.parameters()).device.type == "cuda",
     )
     norms: list[float] = []
     dots: list[float] = []
