@@ -33,7 +33,7 @@ Inputs (--inputs):
             how close to the model's compute limit a real run gets. (Its weights differ: the cached
             path draws its own crops.)
 
-    python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2] [--preset cpu|gpu]
+    python benchmarks/trainer_overhead.py [--repeats 3] [--steps 40] [--iterations 2] [--preset cpu|gpu] [--skip-cached] [--threads N]
                                           [--inputs loader|resident]
 """
 
@@ -149,9 +149,9 @@ class BareSetup:
         self.bf16 = config["trainer"].get("precision") == "bf16-mixed"
         loaded = load_clip(self.model_cfg["clip"], self.model_cfg["pretrained"])
         self.encoder = loaded.encoder.to(self.device)
-        data = TaskSuiteDataModule(suite=data_cfg["suite"], tasks=data_cfg["tasks"], batch_size=data_cfg["batch_size"],
-                                   seed=data_cfg["seed"])
+        data = run_config.datamodule()  # the run's tasks, custom image folders included
         splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
+        self.splits = splits  # every task's train / val / test sets (evaluation transform)
         heads = task_heads(loaded, self.model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
                            default_cache_dir(), data.data_key, self.model_cfg["probe_shots"])
         self.heads = [heads[name].to(self.device) for name in data.task_names]
@@ -219,8 +219,10 @@ def run_bare(setup: BareSetup, batches: list | None = None) -> tuple[float, int,
         if position.starts_segment:
             encoder.load_state_dict(phase_start)
             if model_cfg["optimizer_state"] == "reset" or position.slot not in optimizers:
+                # fused on CUDA, as mima's optimiser (MimaModule.configure_optimizers)
                 optimizers[position.slot] = torch.optim.AdamW(encoder.parameters(), lr=model_cfg["lr"],
-                                                              weight_decay=model_cfg["weight_decay"])
+                                                              weight_decay=model_cfg["weight_decay"],
+                                                              fused=True if device == "cuda" else None)
             optimizer = optimizers[position.slot]
         factor = lr_factor(plan, step, model_cfg["lr_schedule"], model_cfg["schedule_scope"], model_cfg["warmup_steps"],
                            model_cfg["segment_warmup_steps"])
@@ -257,15 +259,21 @@ def main() -> None:
     parser.add_argument("--inputs", choices=("loader", "resident"), default="loader",
                         help="loader: both loops read through the DataLoader; resident: both read the same batches "
                              "already on the device (the trainer alone), plus mima fit with data.cache")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of both loops (default: the preset's threads_per_process); 1 keeps a "
+                             "loaded machine's OpenMP barriers from stalling either loop")
+    parser.add_argument("--skip-cached", action="store_true",
+                        help="with --inputs resident: leave out the third run (mima fit with data.cache)")
     options = parser.parse_args()
     if options.preset == "gpu" and not torch.cuda.is_available():
         parser.error("--preset gpu needs a CUDA device")
-    torch.set_num_threads(PRESETS[options.preset].get("threads_per_process", 2))  # as mima fit's threads_per_process
+    threads = options.threads or PRESETS[options.preset].get("threads_per_process", 2)
+    torch.set_num_threads(threads)  # as mima fit's threads_per_process
     resident = options.inputs == "resident"
     # the decoded-image cache is for image files and arrays; the gpu preset's synthetic suite is
     # made of tensors (mima.data.datamodule: "not for tensor suites")
-    with_cache = resident and PRESETS[options.preset].get("data", {}).get("suite") != "synthetic"
-    if resident and not with_cache:
+    with_cache = resident and not options.skip_cached and PRESETS[options.preset].get("data", {}).get("suite") != "synthetic"
+    if resident and not with_cache and not options.skip_cached:
         print("--preset gpu: the synthetic suite has no decoded-image cache; the data.cache run is left out")
     rates: dict[str, list[float]] = {"mima": [], "bare": [], "mima_cached": []}
     with tempfile.TemporaryDirectory() as scratch:
@@ -273,6 +281,7 @@ def main() -> None:
             timer_file = Path(scratch) / "timer.json"
             config = benchmark_config(options.steps, options.iterations, Path(scratch) / "run", timer_file, options.preset,
                                       options.checkpoint_every)
+            config["threads_per_process"] = threads
             setup = BareSetup(config)
             batches = setup.resident_batches() if resident else None
             if resident:

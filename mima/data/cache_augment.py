@@ -114,7 +114,9 @@ class CachedTrainingSet(Dataset):
         slot_list = [slot for slot, _, _ in indices]
         slots = torch.tensor(slot_list, dtype=torch.long)
         boxes = torch.tensor([[0, 0, size, size]], dtype=torch.long).repeat(count, 1)
-        augmented = torch.zeros(count, dtype=torch.bool)
+        # a numpy array, not a tensor: Lightning moves only tensors to the device, so which rows to crop
+        # is known on the host and choosing them makes the host wait for nothing
+        augmented = np.zeros(count, dtype=np.bool_)
         present = sorted(set(slot_list))
         if len(present) == 1:  # a MIMA batch: one task, read straight into the batch (no second copy)
             examples = np.asarray([example for _, example, _ in indices], dtype=np.int64)
@@ -144,16 +146,24 @@ class BatchPreparer:
     def __init__(self, mean: Sequence[float], std: Sequence[float], image_size: int, crop: CropSettings | None) -> None:
         self.mean, self.std = tuple(mean), tuple(std)
         self.image_size, self.crop = image_size, crop
+        self.constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # mean, std per device
 
     def __call__(self, batch):
         images, labels, slots, boxes, augmented = batch
         pixels = images.to(torch.float32).div_(255)  # in place: one float buffer for the whole preparation
-        if self.crop is not None and bool(augmented.any()):
-            rows = augmented.nonzero().squeeze(1)
+        augmented = np.asarray(augmented)  # on the host (see CachedTrainingSet.__getitems__)
+        if self.crop is not None and augmented.any():
+            rows = torch.from_numpy(np.flatnonzero(augmented)).to(pixels.device, non_blocking=True)
             pixels[rows] = resized_crops(pixels[rows], boxes[rows], self.crop.mode)
-        mean = torch.tensor(self.mean, dtype=torch.float32, device=pixels.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=torch.float32, device=pixels.device).view(1, -1, 1, 1)
+        mean, std = self._normalisation(pixels.device)
         return pixels.sub_(mean).div_(std), labels, slots
+
+    def _normalisation(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std as [1, 3, 1, 1] tensors on `device`, copied there once, not at every batch."""
+        if device not in self.constants:
+            self.constants[device] = tuple(torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+                                           for values in (self.mean, self.std))
+        return self.constants[device]
 
 
 def resized_crops(pixels: torch.Tensor, boxes: torch.Tensor, mode: str = "bicubic") -> torch.Tensor:

@@ -234,6 +234,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
                 batch_sampler=sampler,
                 num_workers=self.hparams.num_workers,
                 persistent_workers=self.hparams.num_workers > 0,
+                # pinned batches: Lightning's non_blocking copies to a GPU then do not wait for the host
                 pin_memory=pin,
             )
         # whole uint8 batches

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.plugins import MixedPrecision
 import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
@@ -23,7 +24,7 @@ from mima.models.clip import LoadedClip, default_cache_dir, load_clip
 from mima.models.heads import task_heads
 from mima.core.layout import TaskLayout
 from mima.training.lr_schedule import lr_factor
-from mima.core.plan import PhasePlan
+from mima.core.plan import PhasePlan, StepPosition, phase_lengths
 from mima.core.settings import takes_settings
 from mima.config.model import ModelSettings
 from mima.data.datamodule import ProcessTasks, TrainingSetup
@@ -72,6 +73,10 @@ class MimaModule(L.LightningModule):
         self.layout: TaskLayout | None = None
         self.tasks: ProcessTasks | None = None  # from TaskSuiteDataModule.connect, in setup
         self.task_names: list[str] = []
+        self.shown_loss: float | None = None  # the progress bar's loss: the last one the host has read
+        # whether a batch of the running segment came from another task's slot; a device flag read at
+        # the segment end, not per step (reading it would make the host wait for the device)
+        self.wrong_slot: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -92,6 +97,8 @@ class MimaModule(L.LightningModule):
                 rank=self.trainer.global_rank,
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
+                lengths=() if self.hparams.mode == "joint" else phase_lengths(
+                    self.hparams.steps, self.hparams.iterations, self.hparams.phase_schedule, self.hparams.phase_ratio),
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
@@ -137,14 +144,22 @@ class MimaModule(L.LightningModule):
             return self._joint_step(batch)
         images, labels, slots = batch
         position = self.plan.position(self.global_step)
-        if int(slots[0]) != position.slot or bool((slots != slots[0]).any()):
-            raise RuntimeError(f"batch at step {self.global_step} does not belong to task slot {position.slot}")
+        self._check_slots(slots, position)
         logits = classify(self.encoder, self.head(position.slot), images)
-        loss = F.cross_entropy(logits, labels)
-        # train/loss/<task> is logged by MimaSyncCallback once per optimiser step: through self.log a
-        # task's last loss would be repeated in every later row of the CSV while other tasks train
-        self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        return loss
+        # train/loss/<task> is logged by MimaSyncCallback once per optimiser step, read from the device
+        # at logging intervals; the progress bar shows the last value read (shown_loss)
+        return F.cross_entropy(logits, labels)
+
+    def _check_slots(self, slots: torch.Tensor, position: StepPosition) -> None:
+        """Every batch of a segment must come from the segment's task slot: collected on the device,
+        checked when the segment's last step starts (on each of its micro-batches)."""
+        wrong = (slots != position.slot).any()
+        self.wrong_slot = wrong if self.wrong_slot is None else self.wrong_slot | wrong
+        if self.plan.ends_segment(self.global_step):
+            mismatch, self.wrong_slot = bool(self.wrong_slot), None
+            if mismatch:
+                raise RuntimeError(f"a batch of the segment ending at step {self.global_step} does not belong to task slot "
+                                   f"{position.slot}")
 
     def _joint_step(self, batch) -> torch.Tensor:
         """One forward pass over every task's batch; the mean over tasks of each task's cross-entropy."""
@@ -154,17 +169,18 @@ class MimaModule(L.LightningModule):
         for slot, spec in enumerate(self.tasks.local_specs):
             rows = slots == slot
             task_loss = F.cross_entropy(classify(torch.nn.Identity(), self.head(slot), features[rows]), labels[rows])
+            # read by Lightning only at logging intervals (not on the progress bar, which reads every step)
             self.log(f"train/loss/{spec.name}", task_loss, on_step=True, on_epoch=False)
             losses.append(task_loss)
-        loss = torch.stack(losses).mean()
-        self.log("loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        return loss
+        return torch.stack(losses).mean()
 
     def configure_optimizers(self):
+        params = [p for p in self.encoder.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            [p for p in self.encoder.parameters() if p.requires_grad],
+            params,
             lr=self.hparams.lr,
             weight_decay=self.hparams.weight_decay,
+            fused=_fuse_adamw(params, self.trainer),
         )
         plan, hp = self.plan, self.hparams
         scheduler = LambdaLR(
@@ -177,18 +193,36 @@ class MimaModule(L.LightningModule):
     def configure_callbacks(self):
         """What a plain Trainer needs to run MIMA. `mima fit` passes its own sync (or joint) callback,
         sharing the phase state with its checkpoints; then only the progress bar is added here."""
-        from lightning.pytorch.callbacks import TQDMProgressBar
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
         from mima.training.joint import JointFinalCallback
-        from mima.training.progress import MimaProgressBar
+        from mima.training.progress import MimaProgressBar, MimaRichProgressBar
         from mima.training.sync import MimaSyncCallback
+        from mima.training.sync_merge import SyncMerge
 
         callbacks = []
         if not any(isinstance(c, (MimaSyncCallback, JointFinalCallback)) for c in self.trainer.callbacks):
-            callbacks.append(JointFinalCallback() if self.hparams.mode == "joint" else MimaSyncCallback())
-        if type(self.trainer.progress_bar_callback) is TQDMProgressBar:  # the default bar, not the user's own
+            callbacks.append(JointFinalCallback() if self.hparams.mode == "joint" else MimaSyncCallback(
+                sync_merge=SyncMerge(self.hparams.sync_merge, self.hparams.sync_merge_args)))
+        bar = type(self.trainer.progress_bar_callback)  # the default bars are replaced, not the user's own
+        if bar is TQDMProgressBar:
             callbacks.append(MimaProgressBar())
+        elif bar is RichProgressBar:
+            callbacks.append(MimaRichProgressBar())
         return callbacks
+
+
+def _fuse_adamw(params: list[torch.nn.Parameter], trainer: L.Trainer) -> bool | None:
+    """True (one fused AdamW kernel for all parameters, its step counters kept on the device) where
+    the parameters are on CUDA; None (torch's default kernels) otherwise: on the CPU fused kernels
+    round differently, and CPU results are compared bit for bit. Also None under Lightning's mixed
+    precision with gradient clipping, which refuses fused optimisers (they unscale gradients
+    themselves, after the clipping would have run)."""
+    if not params or params[0].device.type != "cuda":
+        return None
+    if trainer.gradient_clip_val and isinstance(trainer.precision_plugin, MixedPrecision):
+        return None
+    return True
 
 
 def _enable_grad_checkpointing(encoder: torch.nn.Module, clip: str) -> None:

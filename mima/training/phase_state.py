@@ -24,6 +24,47 @@ StateDict = dict[str, torch.Tensor]
 Moments = dict[int, dict]  # an optimiser's per-parameter state: {param: {"step", "exp_avg", "exp_avg_sq"}}
 
 
+@dataclass(frozen=True)
+class StepLoss:
+    """One optimiser step's loss as the host reads it: the sum of its micro-batches' losses."""
+
+    step: int
+    slot: int
+    value: float
+
+
+class StepLosses:
+    """The losses of the steps the host has not read yet, kept as device tensors (one per
+    micro-batch), and read all at once by `settle` with a single device-to-host copy."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, slot, micro-batch losses)
+        self.micro_batches: list[torch.Tensor] = []  # of the running step
+
+    def add_micro_batch(self, loss: torch.Tensor) -> None:
+        self.micro_batches.append(loss.detach())
+
+    def end_step(self, step: int, slot: int) -> None:
+        self.pending.append((step, slot, self.micro_batches))
+        self.micro_batches = []
+
+    def settle(self) -> list[StepLoss]:
+        """The pending steps' losses as floats. Summed on the host in float64, micro-batch by
+        micro-batch, as `float(loss)` per micro-batch summed them: the logged values stay the same."""
+        if not self.pending:
+            return []
+        flat = torch.stack([loss.float() for _, _, losses in self.pending for loss in losses]).tolist()
+        settled, index = [], 0
+        for step, slot, losses in self.pending:
+            total = 0.0
+            for value in flat[index:index + len(losses)]:
+                total += value
+            index += len(losses)
+            settled.append(StepLoss(step, slot, total))
+        self.pending = []
+        return settled
+
+
 @dataclass
 class PhaseState:
     avg: StateDict = field(default_factory=dict)  # the running phase's start point (on the device)
@@ -32,7 +73,9 @@ class PhaseState:
     segment_phase: int = 0  # the phase `segment_ends` belong to
     task_moments: dict[int, Moments] = field(default_factory=dict)  # slot -> AdamW state (CPU)
     moments_phase: dict[int, int] = field(default_factory=dict)  # slot -> phase whose segment end they are
-    loss_sums: dict[int, float] = field(default_factory=dict)  # slot -> summed step losses this phase
+    loss_sums: dict[int, float] = field(default_factory=dict)  # slot -> summed step losses this phase (settled ones)
+    step_losses: StepLosses = field(default_factory=StepLosses)  # on the device, not yet in loss_sums
+    unlogged: list[StepLoss] = field(default_factory=list)  # settled, not yet written to the loggers
     pending_sync: bool = False  # stopped at a sync before entering it: run it first on resume
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
 
@@ -52,9 +95,24 @@ class PhaseState:
         slot = plan.position(step).slot
         return "avg", slot if slot in self.task_moments else None
 
+    def settle_losses(self) -> None:
+        """Read the pending step losses (one host-device synchronisation) into `loss_sums`; they
+        wait in `unlogged` for the loggers."""
+        for settled in self.step_losses.settle():
+            self.loss_sums[settled.slot] = self.loss_sums.get(settled.slot, 0.0) + settled.value
+            self.unlogged.append(settled)
+
+    def take_unlogged(self) -> list[StepLoss]:
+        """Every step loss not yet logged, settled, in step order; forgotten here."""
+        self.settle_losses()
+        rows, self.unlogged = self.unlogged, []
+        return rows
+
     def state_dict(self) -> dict:
         """The tensors themselves (no copies): the checkpoint code stores each once as a file and
-        keeps a reference; the phases say which file."""
+        keeps a reference; the phases say which file. A save is a synchronisation point anyway:
+        the pending step losses are settled into `loss_sums` first (and logged later)."""
+        self.settle_losses()
         return {
             "avg": self.avg,
             "avg_phase": self.avg_phase,

@@ -38,6 +38,7 @@ from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diago
 from mima.training.averaging import average_phase, gather_task_values
 from mima.training.phase_state import PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
+from mima.training.sync_merge import SyncMerge
 
 StateDict = dict[str, torch.Tensor]
 
@@ -57,6 +58,12 @@ def _moments_to_cpu(optimizer_state: dict) -> dict:
     }
 
 
+def _logging_due(every: int, step: int) -> bool:
+    """Whether process step `step` (0-based) ends a logging interval (Trainer.log_every_n_steps;
+    0: never, only segment ends)."""
+    return every > 0 and (step + 1) % every == 0
+
+
 class MimaSyncCallback(Callback):
     """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule.
 
@@ -66,14 +73,15 @@ class MimaSyncCallback(Callback):
             Trainer that saves no state).
         before_sync: called before the process waits for the others at a sync (`mima fit` passes
             MimaCheckpoint.flush: this process's states of the phase must be on disk first).
+        sync_merge: the phase-end operator (default: the uniform average, MIMA itself).
     """
 
     def __init__(self, phase_state: PhaseState | None = None, stop: StopAgreement | None = None,
-                 before_sync: Callable[[], None] | None = None) -> None:
+                 before_sync: Callable[[], None] | None = None, sync_merge: SyncMerge | None = None) -> None:
         self.phases = phase_state if phase_state is not None else PhaseState()
         self.stop = stop
         self.before_sync = before_sync
-        self.step_loss = 0.0  # the running step's loss, summed over its micro-batches
+        self.sync_merge = sync_merge if sync_merge is not None else SyncMerge()
         self.watch = StepWatch()
 
     # ----------------------------------------------------------------------------- start
@@ -93,6 +101,10 @@ class MimaSyncCallback(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.stop is not None:
             self.stop.report_failure(trainer.global_rank)
+        try:  # the losses of the steps before the failure, as the loggers had them when read per step
+            self._log_step_losses(trainer, pl_module)
+        except Exception:  # a failed device cannot hand them over; the original error is the one to report
+            pass
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Here, unlike in on_fit_start, Lightning has already restored the step counter and optimiser.
@@ -114,12 +126,15 @@ class MimaSyncCallback(Callback):
         step = trainer.global_step - 1 if stepped else trainer.global_step
         position = plan.position(step)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # divided by the micro-batch count
-        self.step_loss += float(loss)
+        # kept on the device: the host reads losses only where it waits for the device anyway
+        self.phases.step_losses.add_micro_batch(loss)
         if not stepped:
             return
-        self.phases.loss_sums[position.slot] = self.phases.loss_sums.get(position.slot, 0.0) + self.step_loss
-        self._log_step_loss(trainer, plan.tasks[position.task_index], step)
-        if not plan.ends_segment(step):
+        self.phases.step_losses.end_step(step, position.slot)
+        ends_segment = plan.ends_segment(step)
+        if ends_segment or _logging_due(trainer.log_every_n_steps, step):
+            self._log_step_losses(trainer, pl_module)
+        if not ends_segment:
             return
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
@@ -127,6 +142,9 @@ class MimaSyncCallback(Callback):
             return
         self._load_into_encoder(pl_module, self.phases.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._log_step_losses(trainer, pl_module)  # a run stopped inside a segment: its last steps' losses
 
     def _sync(self, trainer, pl_module, phase: int, global_step: int) -> bool:
         """Agree with the other processes, then average; False (sync left pending) on a stop."""
@@ -144,12 +162,17 @@ class MimaSyncCallback(Callback):
         self._prepare_optimizer(trainer, pl_module, next_slot=0)
         return True
 
-    def _log_step_loss(self, trainer, task: str, step: int) -> None:
-        """The step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
-        own tasks, one row per step."""
-        for logger in trainer.loggers:
-            logger.log_metrics({f"train/loss/{task}": self.step_loss}, step=step)
-        self.step_loss = 0.0
+    def _log_step_losses(self, trainer, pl_module) -> None:
+        """Each step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
+        own tasks, one row per step; read from the device here, at logging intervals and segment ends."""
+        plan = pl_module.plan
+        rows = self.phases.take_unlogged()
+        for row in rows:
+            task = plan.tasks[plan.position(row.step).task_index]
+            for logger in trainer.loggers:
+                logger.log_metrics({f"train/loss/{task}": row.value}, step=row.step)
+        if rows:
+            pl_module.shown_loss = rows[-1].value
 
     def _end_segment(self, trainer, pl_module, position) -> None:
         plan = pl_module.plan
@@ -171,16 +194,21 @@ class MimaSyncCallback(Callback):
         diagnostic_keys = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
         local_states = [self.phases.segment_ends[slot] for slot in range(len(plan.local_tasks))]
         device = next(pl_module.encoder.parameters()).device
-        result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device)
-        self.phases.avg = {key: value.to(device) for key, value in result.average.items()}
+        merge = self.sync_merge
+        result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device,
+                               keep_tasks=not merge.is_uniform)
+        start = result.average if merge.is_uniform else merge.apply(result.task_states, pl_module.theta_0)
+        self.phases.avg = {key: value.to(device) for key, value in start.items()}
         self.phases.avg_phase = phase
-        mean_losses = {plan.local_tasks[slot]: total / plan.steps_per_phase for slot, total in self.phases.loss_sums.items()}
+        length = plan.lengths[phase]
+        mean_losses = {plan.local_tasks[slot]: total / length for slot, total in self.phases.loss_sums.items()}
         losses = gather_task_values(mean_losses, layout)
         waits = gather_task_values({trainer.global_rank: self.stop.waits[-1] if self.stop.waits else 0.0}, layout)
         cos_tau, cos_delta = cosine_from_gram(result.gram_tau), cosine_from_gram(result.gram_delta)
         record = {
             "phase": phase + 1,
-            "step": (phase + 1) * plan.steps_per_phase,
+            "step": plan.task_steps_before(phase + 1),  # each task's steps so far
+            "K": length,  # this phase's steps per task
             "global_step": global_step,
             "tasks": list(plan.tasks),
             "mean_cos_tau": mean_off_diagonal(cos_tau),
@@ -218,7 +246,7 @@ class MimaSyncCallback(Callback):
         metadata = {
             "task": task,
             "N": plan.iterations,
-            "K": plan.steps_per_phase,
+            "K": plan.lengths[0] if plan.equal_phases else list(plan.lengths),
             "S": plan.total_steps,
             "seed": tasks.seed,
             "tasks": list(plan.tasks),

@@ -48,7 +48,9 @@ from mima.training.preemption import StopAgreement
 from mima.training.rank_logger import rank_loggers
 from mima.training.resume import log_resume, resolve_resume, run_identity
 from mima.training.strategy import MimaStrategy
+from mima.core.plan import phase_lengths
 from mima.training.sync import MimaSyncCallback
+from mima.training.sync_merge import SyncMerge
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "auto",
@@ -146,7 +148,10 @@ class MimaCLI(LightningCLI):
         if self.model.hparams.mode == JOINT:
             mima_callbacks = [JointFinalCallback()]
         else:
-            mima_callbacks = [MimaSyncCallback(phases, stop, before_sync=self.checkpoint.flush if self.checkpoint else None)]
+            hparams = self.model.hparams
+            sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
+            mima_callbacks = [MimaSyncCallback(phases, stop, before_sync=self.checkpoint.flush if self.checkpoint else None,
+                                               sync_merge=sync_merge)]
         user_callbacks = list(self.config_init["trainer"].get("callbacks") or [])
         kwargs["callbacks"] = user_callbacks + mima_callbacks + ([self.checkpoint] if self.checkpoint else [])
         return super().instantiate_trainer(**kwargs)
@@ -160,8 +165,10 @@ class MimaCLI(LightningCLI):
         computed once per `mima fit`, before any process writes."""
         layout = check_layout(self.num_tasks(), world_size, self.datamodule.hparams.batch_size)
         hparams = self.model.hparams
-        identity = run_identity(self.datamodule.task_names, hparams.steps, 1 if hparams.mode == JOINT else hparams.iterations,
-                                world_size, hparams.mode)
+        joint = hparams.mode == JOINT
+        lengths = None if joint else phase_lengths(hparams.steps, hparams.iterations, hparams.phase_schedule, hparams.phase_ratio)
+        identity = run_identity(self.datamodule.task_names, hparams.steps, 1 if joint else hparams.iterations,
+                                world_size, hparams.mode, lengths)
         resume_states, notes = resolve_resume(self.config.get("ckpt_path"), self.run_dir, layout, identity)
         changes = self.check_resumed_config(resume_states)
         return Launch(layout, identity, resume_states, notes, changes)
