@@ -18,7 +18,7 @@ the N lengths sum to S exactly (largest remainders first, earlier phases on ties
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mima.core.errors import MimaError
 
@@ -90,6 +90,9 @@ class PhasePlan:
     total_steps: int
     iterations: int
     lengths: tuple[int, ...] = ()  # K_1 .. K_N (phase_lengths); empty: equal phases
+    # derived from the above: the per-task step and the process step at which each phase starts
+    task_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    process_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.lengths:
@@ -102,9 +105,9 @@ class PhasePlan:
         starts = [0]
         for length in self.lengths:
             starts.append(starts[-1] + length)
-        object.__setattr__(self, "_task_starts", tuple(starts))  # per-task step at which each phase starts
-        # process step at which each phase starts: a phase holds lengths[phase] steps of each local task
-        object.__setattr__(self, "_process_starts", tuple(start * len(self.local_tasks) for start in starts))
+        object.__setattr__(self, "task_starts", tuple(starts))
+        # a phase holds lengths[phase] steps of each of the process's tasks
+        object.__setattr__(self, "process_starts", tuple(start * len(self.local_tasks) for start in starts))
 
     @property
     def steps_per_phase(self) -> int:
@@ -119,7 +122,7 @@ class PhasePlan:
 
     def task_steps_before(self, phase: int) -> int:
         """Per-task steps taken before `phase` starts (0 for the first; S after the last)."""
-        return self._task_starts[phase]
+        return self.task_starts[phase]
 
     @property
     def num_tasks(self) -> int:
@@ -134,15 +137,15 @@ class PhasePlan:
         """Where process step `step` (0-based) falls."""
         if not 0 <= step < self.local_steps:
             raise IndexError(f"step {step} outside the plan's {self.local_steps} steps")
-        phase = bisect.bisect_right(self._process_starts, step) - 1
+        phase = bisect.bisect_right(self.process_starts, step) - 1
         k = self.lengths[phase]
-        slot, step_in_phase = divmod(step - self._process_starts[phase], k)
+        slot, step_in_phase = divmod(step - self.process_starts[phase], k)
         return StepPosition(
             phase=phase,
             slot=slot,
             task_index=self.local_tasks[slot],
             step_in_phase=step_in_phase,
-            task_step=self._task_starts[phase] + step_in_phase,
+            task_step=self.task_starts[phase] + step_in_phase,
             phase_length=k,
         )
 
