@@ -58,7 +58,8 @@ def bare_counts(encoder, heads, datasets, batch_size: int, precision: str) -> di
         for images, labels in DataLoader(dataset, batch_size=batch_size):
             if precision in AUTOCAST_DTYPES:
                 with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[precision]):
-                    logits = classify(encoder, heads[task], images)
+                    features = encoder(images)
+                logits = classify(torch.nn.Identity(), heads[task], features.float())
             else:
                 logits = classify(encoder, heads[task], images)
             correct += (logits.argmax(dim=1) == labels).sum()

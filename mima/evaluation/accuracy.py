@@ -7,7 +7,8 @@ counts as float32, divided in float32 (`accuracy_of`; tests/test_evaluate.py che
 
 The evaluation loop keeps its running count on the device and reads it once per task: no host
 synchronisation per batch. It runs in the precision given (`EvalSettings.precision`): "32-true"
-(float32; TF32 matmuls are allowed on CUDA) or "bf16-mixed"/"16-mixed" (autocast), and stops
+(float32; TF32 matmuls are allowed on CUDA) or "bf16-mixed"/"16-mixed" (autocast over the
+encoder; the head's product stays in float32), and stops
 between two batches when `should_stop` says so (a SIGTERM or SIGUSR1 seen by `mima evaluate`).
 """
 
@@ -89,7 +90,10 @@ def count_correct(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, pr
             if should_stop is not None and should_stop():
                 raise EvaluationStopped()
             with autocast:
-                logits = classify(encoder, head, images.to(device, non_blocking=True))
+                features = encoder(images.to(device, non_blocking=True))
+            # the encoder in the chosen precision, the zero-shot head in float32: class logits of a
+            # CLIP head lie close together, and a bfloat16 product (8-bit mantissa) flips near-ties
+            logits = classify(nn.Identity(), head, features.float())
             correct += (logits.argmax(dim=1) == labels.to(device, non_blocking=True)).sum()
             total += int(labels.shape[0])
     finally:
