@@ -304,6 +304,18 @@ def test_a_resumed_run_keeps_the_log_from_before_it(tmp_path, small_clip):
     expected = logged_losses(tmp_path / "whole" / "logs" / "metrics.csv")
     assert len(expected) == len(TWO) * STEPS  # one loss per step of each task
     assert sorted(logged_losses(out / "logs" / "metrics.csv")) == sorted(expected)
+    # TensorBoard too: the earlier attempt's events from the resumed step on are dropped (TensorBoard
+    # purges events a restarted writer logs again), the rest kept
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "logs"))
+    events.Reload()
+    assert len(list((out / "logs").glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    for task in TWO:
+        shown = [(event.step, event.value) for event in events.Scalars(f"train/loss/{task}")]
+        wanted = sorted((step, loss) for step, name, loss in expected if name == task)
+        assert [step for step, _ in shown] == [step for step, _ in wanted]  # every step once, in order
+        assert [value for _, value in shown] == pytest.approx([loss for _, loss in wanted], rel=1e-6)
 
 
 # ---------------------------------------------------------------- the phase-end operator and schedules
