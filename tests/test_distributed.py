@@ -437,3 +437,20 @@ def test_augmented_per_image_runs_are_bit_identical_after_a_kill_and_at_two_proc
     two = run_job(_folder_config(tmp_path / "two.yaml", small_clip, tmp_path / "data", 2, 1), tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
     assert_identical(finals(tmp_path / "two", tasks), reference)
+
+
+def test_resuming_a_finished_run_removes_its_leftover_checkpoints(tmp_path, small_clip):
+    """A finished run whose clean-up was cut short (checkpoints/ half deleted) is finished: the next
+    resume says so and removes what was left, instead of keeping it for good."""
+    config = write_config(tmp_path / "run.yaml", small_clip, TWO, 1)
+    out = tmp_path / "run"
+    assert run_job(config, out).returncode == 0
+    leftover = out / CHECKPOINTS / "ranks" / "rank-00000" / "step-00000016.ckpt"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half of a deleted state")
+    before = {task: value for task, value in finals(out, TWO).items()}
+    again = run_job(config, out, "--ckpt_path", "last")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has finished" in again.stdout and "removed the leftover" in again.stdout
+    assert not (out / CHECKPOINTS).exists()
+    assert_identical(finals(out, TWO), before)

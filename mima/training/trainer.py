@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -369,6 +370,10 @@ def _run_fit(cli: MimaCLI) -> FitResult:
     if resuming and resume_states is None and _finished(run, data.task_names, module.hparams.mode):
         if launch_rank() == 0:
             print(f"mima fit: {run_dir} has finished (final/ holds every task model); nothing to resume")
+            if run.checkpoints_dir.exists() and not cli.config.get("keep_checkpoints"):
+                # left by a finished run whose clean-up was cut short: nothing can resume from it now
+                shutil.rmtree(run.checkpoints_dir, ignore_errors=True)
+                print(f"mima fit: removed the leftover {run.checkpoints_dir}")
         return FitResult(run_dir, None)
     if trainer.is_global_zero and launch_rank() == 0:
         # only now, with every input checked, may an earlier run that --overwrite replaces be removed
