@@ -253,13 +253,17 @@ def evaluate_command(argv: Sequence[str]) -> None:
     parser.add_argument("--val-examples", type=int, default=None, metavar="K",
                         help="choose hyperparameters on a fixed random subset of K validation examples per task "
                         "(the test split is always whole)")
+    parser.add_argument("--skip-unfinished", action="store_true",
+                        help="leave out (and name) runs that are missing or have not finished, e.g. cancelled elements "
+                        "of a SLURM sweep, instead of refusing them")
     options = parser.parse_args(argv)
     if options.val_examples is not None and options.val_examples <= 0:
         parser.error(f"--val-examples {options.val_examples}: expected a positive number of examples per task")
     team = team_for(options.devices, argv)
     with no_empty_folder_left(options.out):
         evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
-                      precision=options.precision, val_examples=options.val_examples, team=team)
+                      precision=options.precision, val_examples=options.val_examples, team=team,
+                      skip_unfinished=options.skip_unfinished)
 
 
 # ---------------------------------------------------------------------------- convert

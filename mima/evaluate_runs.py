@@ -422,6 +422,7 @@ def evaluate_runs(
     precision: str | None = None,
     val_examples: int | None = None,
     team: Team | None = None,
+    skip_unfinished: bool = False,
 ) -> list[ModelResult] | None:
     """Evaluate finished runs of the same tasks and model into `out_dir` (results.json/.csv/.md,
     selection.json, plots; the cells in cells/). Returns the results in process 0, None elsewhere.
@@ -433,7 +434,8 @@ def evaluate_runs(
     team = team or Team(session=f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}")
     if val_examples is not None and val_examples <= 0:
         raise MimaError(f"--val-examples {val_examples}: expected a positive number of examples per task")
-    evaluation = describe_evaluation(run_dirs, merges, select_on_val, val_examples, precision or default_precision(team.device()))
+    evaluation = describe_evaluation(run_dirs, merges, select_on_val, val_examples,
+                                     precision or default_precision(team.device()), skip_unfinished)
     # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
     with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
         return _evaluate(evaluation, Path(out_dir), merges, select_on_val, overwrite, title, extra, started,
@@ -571,10 +573,23 @@ def _stopped(store: CellStore, team: Team, signum: int | None, title: str) -> No
 
 
 def describe_evaluation(run_dirs: Sequence[Path], merges: Sequence[str], select_on_val: bool,
-                        val_examples: int | None, precision: str) -> Evaluation:
-    """The runs and merges checked (one line for each mistake), before anything is written."""
+                        val_examples: int | None, precision: str, skip_unfinished: bool = False) -> Evaluation:
+    """The runs and merges checked (one line for each mistake), before anything is written. With
+    `skip_unfinished`, runs that are missing or have not finished (a cancelled or failed job of a
+    sweep) are left out, named in one line, and the others evaluated."""
     methods = data_free_per_model(merges)
-    every_run = [finished_run(Path(run_dir)) for run_dir in run_dirs]
+    every_run, missing = [], []
+    for run_dir in run_dirs:
+        try:
+            every_run.append(finished_run(Path(run_dir)))
+        except MimaError as error:
+            if not skip_unfinished:
+                raise
+            missing.append(str(error).split(" (")[0])
+    if missing:
+        print(f"mima evaluate: left out {len(missing)} run(s) that have not finished: {'; '.join(missing)}")
+        if not every_run:
+            raise MimaError("no run given has finished; nothing to evaluate")
     joint_runs = [run for run in every_run if run.is_joint()]
     runs = [run for run in every_run if not run.is_joint()]
     if len(joint_runs) > 1 or not runs:

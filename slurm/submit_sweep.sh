@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Submits a sweep over N (and seeds): the fit array (sweep_n.sbatch, one element per N and seed),
-# then its evaluation (evaluate_sweep.sbatch) with --dependency=afterok:<array id>. The evaluation
-# starts once every element has finished its fit (an element that requeued itself counts when its
-# requeued run completes); if an element fails, SLURM cancels the evaluation (--kill-on-invalid-dep).
+# then its evaluation (evaluate_sweep.sbatch) with --dependency=afterany:<array id>. The evaluation
+# starts once every element has ended (an element that requeued itself counts when its requeued run
+# ends): completed, failed or cancelled (a partition whose preemption cancels instead of requeueing).
+# It evaluates the runs that finished and names the others; submitting the same sweep again resumes
+# exactly those (finished fits exit at once) and evaluates again.
 # Run it from the repository root, where the jobs find slurm/:
 #   MIMA_CONFIG=configs/clip/ViT-B-32.yaml slurm/submit_sweep.sh [SBATCH OPTIONS ...] [-- MIMA FIT ARGUMENTS ...]
 #   MIMA_CONFIG=configs/clip/ViT-B-32.yaml MIMA_SEEDS="0 1 2" MIMA_RUNS=/scratch/$USER/mima-runs \
@@ -34,8 +36,8 @@ count=$(( ${#iterations[@]} * (${#seeds[@]} > 0 ? ${#seeds[@]} : 1) ))
 array_id="$(sbatch --parsable --array="0-$(( count - 1 ))" ${sbatch_options[@]+"${sbatch_options[@]}"} ${fit_extra[@]+"${fit_extra[@]}"} \
   "${here}/sweep_n.sbatch" "$@")"
 array_id="${array_id%%;*}"  # --parsable prints "id" or "id;cluster"
-eval_id="$(sbatch --parsable --dependency="afterok:${array_id}" --kill-on-invalid-dep=yes \
+eval_id="$(sbatch --parsable --dependency="afterany:${array_id}" \
   ${sbatch_options[@]+"${sbatch_options[@]}"} ${eval_extra[@]+"${eval_extra[@]}"} "${here}/evaluate_sweep.sbatch")"
 eval_id="${eval_id%%;*}"
 echo "mima sweep: fit array job ${array_id} (${count} runs: N in ${iterations[*]}${seeds:+; seeds ${seeds[*]}})"
-echo "mima sweep: evaluation job ${eval_id} (starts when array ${array_id} has succeeded)"
+echo "mima sweep: evaluation job ${eval_id} (starts when every element of array ${array_id} has ended)"

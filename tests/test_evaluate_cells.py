@@ -160,3 +160,20 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, capsys, argv, fragme
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
     assert not out.exists()
+
+
+def test_runs_that_did_not_finish_are_left_out_and_named(two_runs, tmp_path, capsys):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text((two_runs[0] / "config.yaml").read_text())
+    out = tmp_path / "table"
+    argv = ["evaluate", str(two_runs[0]), str(unfinished), str(tmp_path / "never-started"), "--out", str(out),
+            "--merges", "uniform"]
+    assert main(argv) == 2  # without the option: refused, naming the first
+    assert "not a finished run" in capsys.readouterr().err
+    assert main([*argv, "--skip-unfinished"]) == 0
+    printed = capsys.readouterr().out
+    assert f"left out 2 run(s) that have not finished: {unfinished}: not a finished run; " \
+           f"{tmp_path / 'never-started'}: no such run folder" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert {row["N"] for row in rows} == {1} and {row["model"] for row in rows} == {"zero_shot", "fine_tuned", "uniform"}

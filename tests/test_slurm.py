@@ -1,7 +1,7 @@
 """The project's own SLURM scripts on a real SLURM: cpu.sbatch preempted mid-run, requeued, resumed,
 identical; cpu.sbatch cancelled with scancel and submitted again (a new job id), resumed in the same
 run folder, identical; the sweep as submit_sweep.sh submits it: a fit-only job array over N and
-seeds, then an evaluation job that waits for it (afterok) and writes the table with the mean and
+seeds, then an evaluation job that waits for it (afterany) and writes the table with the mean and
 standard deviation over seeds. Without SLURM: the srun command launch.sh builds, and the
 one-GPU-per-task variant (gpus_per_task.sbatch, one_gpu_task.sh) against the installed Lightning
 with one visible GPU simulated (no GPU here).
@@ -219,7 +219,7 @@ SWEEP_MODELS = ("zero_shot", "fine_tuned", "uniform", "task_arithmetic", "ties",
 def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, small_clip):
     """slurm/submit_sweep.sh as a user runs it, with the GPU site settings overridden for this CPU
     cluster: a fit-only array over N in {1, 8} and seeds {0, 1}, each run in <config>-N<n>-seed<s>/,
-    then the evaluation job (afterok on the array): the combined table, whose rows over seeds are
+    then the evaluation job (afterany on the array): the combined table, whose rows over seeds are
     checked by hand; submitted again, it finds every cell done and writes the same table."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({
@@ -244,7 +244,7 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
     assert submitted.returncode == 0, submitted.stderr
     array_id = re.search(r"fit array job (\d+) \(4 runs", submitted.stdout).group(1)
     evaluation_id = re.search(r"evaluation job (\d+)", submitted.stdout).group(1)
-    assert slurm.job_field(evaluation_id, "Dependency").startswith(f"afterok:{array_id}")
+    assert slurm.job_field(evaluation_id, "Dependency").startswith(f"afterany:{array_id}")
     started = time.monotonic()
     _drive_to_completion(slurm, evaluation_id, timeout=600)
     print(f"SLURM array {array_id} (N = 1, 8 x seeds 0, 1) fitted and job {evaluation_id} evaluated it in "
@@ -395,7 +395,7 @@ def test_sweep_evaluation_finds_the_runs_by_name(tmp_path):
     runs = tmp_path / "runs"
     for name in ("tiny-N1-seed3", "tiny-N1-seed5", "tiny-N2-seed3", "tiny-N16-seed3", "other-N1-seed3"):
         (runs / name).mkdir(parents=True)
-    expected_tail = ["--out", str(runs / "tiny-sweep"), "--merges", "uniform", "ties"]
+    expected_tail = ["--out", str(runs / "tiny-sweep"), "--merges", "uniform", "ties", "--skip-unfinished"]
 
     seeded = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="1 2", MIMA_SEEDS="3", MIMA_MERGES="uniform ties")
     assert seeded.returncode == 0, seeded.stderr
@@ -406,8 +406,13 @@ def test_sweep_evaluation_finds_the_runs_by_name(tmp_path):
     assert found.returncode == 0, found.stderr
     assert (tmp_path / "mima-arguments").read_text().splitlines() == [
         "evaluate", str(runs / "tiny-N1-seed3"), str(runs / "tiny-N1-seed5"), str(runs / "tiny-N2-seed3"), *expected_tail]
-    missing = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="1 4")
-    assert missing.returncode == 2 and "no run folder" in missing.stderr and "N=4" in missing.stderr
+    # an N whose element never started is left out and named; the others are evaluated (afterany)
+    partial = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="1 4", MIMA_MERGES="uniform ties")
+    assert partial.returncode == 0 and "no run folder" in partial.stderr and "N=4; left out" in partial.stderr
+    assert (tmp_path / "mima-arguments").read_text().splitlines() == [
+        "evaluate", str(runs / "tiny-N1-seed3"), str(runs / "tiny-N1-seed5"), *expected_tail]
+    missing = _evaluation_command(tmp_path, runs, MIMA_ITERATIONS="4 8")
+    assert missing.returncode == 2 and "no run folder found" in missing.stderr
 
 
 # ------------------------------------------------------------------- bash 4.2 (RHEL 7) safety
