@@ -20,6 +20,8 @@ as one line on stderr with exit status 2, and leaves no partial output behind.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import contextlib
 import signal
 import sys
@@ -61,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command != "fit":  # fit saves and stops at a step boundary on SIGTERM (preemption) instead
         signal.signal(signal.SIGTERM, _raise_terminated)
+    # a file size limit (ulimit -f, RLIMIT_FSIZE) then fails the write with EFBIG, reported below,
+    # instead of killing the process mid-write
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         if command == "demo":
             demo_command(rest)
@@ -93,14 +98,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = f"{command} {rest[0]}" if command in ("analyze", "data") and rest and not rest[0].startswith("-") else command
         print(f"mima {label}: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except Exception:
+    except OSError as exc:
+        print(f"mima {command}: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
         if not _terminations:
-            raise
+            line = storage_error_line(exc)
+            if line is None:
+                raise
+            print(f"mima {command}: error: {line}", file=sys.stderr)
+            return 2
         # SIGTERM arrived inside a library call (e.g. safetensors reading a tensor), which reported
         # the interruption as an error of its own: still a termination, and it unwound the same way
         print(f"mima {command}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     return 0
+
+
+OS_ERROR_HINTS = {
+    errno.ENOSPC: "free space there or write elsewhere",
+    errno.EDQUOT: "free space in your quota or write elsewhere",
+    errno.EFBIG: "the file size limit (ulimit -f) is too small for it",
+    errno.EROFS: "the filesystem is read-only; write elsewhere (e.g. --out)",
+    errno.EACCES: "check its permissions, or write elsewhere",
+    errno.EPERM: "check its permissions, or write elsewhere",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_line(exc: OSError) -> str:
+    """An operating-system error as one line: the path, what went wrong, what to do."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    hint = OS_ERROR_HINTS.get(exc.errno)
+    return f"{where}{exc.strerror or exc}" + (f" ({hint})" if hint else "")
+
+
+def storage_error_line(exc: Exception) -> str | None:
+    """A library's wrapping of a full or unwritable disk (safetensors reports it as its own error
+    type with the OS message inside) as one line; None for anything else."""
+    text = str(exc)
+    for code, hint in OS_ERROR_HINTS.items():
+        message = os.strerror(code)
+        if message in text:
+            return f"{message} ({hint}) [{type(exc).__name__}]"
+    return None
 
 
 def one_line(error: MimaError) -> str:

@@ -269,3 +269,32 @@ def test_convert_walks_a_shallow_crafted_tree_in_state_dict_order(tmp_path, modu
     from mima.convert.pickle_reader import module_state_dict
 
     assert list(module_state_dict(root)) == list(reference.state_dict()) == ["w", "left.w", "left.shared.b", "right.shared.b"]
+
+
+# ======================================================================= a write that the disk refuses
+def _limited(limit_bytes: int):
+    """preexec_fn: the child may write no file beyond `limit_bytes` (RLIMIT_FSIZE): the write fails
+    as a full disk's would, at a size the test chooses."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+@pytest.mark.parametrize("limit", [4096, 200_000])
+def test_a_merge_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, limit):
+    generator = torch.Generator().manual_seed(0)
+    models = []
+    for index in range(2):
+        models.append(tmp_path / f"m{index}.safetensors")
+        save_state_dict(models[-1], {f"w{i}": torch.randn(128, 128, generator=generator) for i in range(4)})  # 256 KB
+    output = tmp_path / "out" / "merged.safetensors"
+    result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "uniform", "--models", *map(str, models),
+                             "--output", str(output)], cwd=REPOSITORY, capture_output=True, text=True,
+                            preexec_fn=_limited(limit))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "File too large" in lines[0] and "ulimit -f" in lines[0]
+    leftovers = sorted(p.name for p in (tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else []
+    assert leftovers == []  # no output and no temporary file
