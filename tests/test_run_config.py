@@ -42,7 +42,8 @@ def test_a_run_folder_written_before_this_change_still_loads():
     raw = yaml.safe_load((FIXTURES / "run_config_v0.1.yaml").read_text())
     config = load_run_config(FIXTURES / "run_config_v0.1.yaml")
     assert config.model_args() == {**raw["model"], "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None,
-                                    "grad_checkpointing": False}  # options added since: defaults
+                                    "grad_checkpointing": False, "sync_merge": "uniform", "sync_merge_args": None,
+                                    "phase_schedule": "equal", "phase_ratio": 2.0}  # options added since: defaults
     assert config.data_args() == {**raw["data"], "cache": False, "cache_dir": None, "benchmark": None}  # options added since
     assert config.seed == raw["seed_everything"] and config.other["trainer"] == raw["trainer"]
 
