@@ -49,7 +49,8 @@ class SyncMerge:
             self.method.hyperparameters(self.args)  # unknown names and bad values: one line, now
         except MimaError as error:
             raise MimaError(f"model.sync_merge_args: {error}") from None
-        if num_tasks is not None and num_tasks < self.method.min_models:
+        # the average (computed while gathering) is defined for one task too; other merges need their minimum
+        if not self.is_uniform and num_tasks is not None and num_tasks < self.method.min_models:
             raise MimaError(f"model.sync_merge: '{name}' needs at least {self.method.min_models} tasks, the run has {num_tasks}")
 
     @property
