@@ -387,6 +387,7 @@ def cache_command(argv: Sequence[str]) -> None:
 
 
 def splits_command(argv: Sequence[str]) -> None:
+    from mima.core.files import refuse_overwrite
     from mima.data.splits import task_split_record, write_split_file
 
     parser = _OneLineParser(
@@ -399,10 +400,13 @@ def splits_command(argv: Sequence[str]) -> None:
     )
     _add_config_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files (one per task)")
+    parser.add_argument("--overwrite", action="store_true", help="replace split files already in --out")
     options = parser.parse_args(argv)
     config = _config_with_root(options)
     data = config.datamodule()
     seed = int(config.data.split_seed)
+    if not options.overwrite:  # before any work: an earlier audit file is the user's
+        refuse_overwrite([options.out / f"{spec.name}.json" for spec in data.task_specs], what=f"--out {options.out}")
     with no_empty_folder_left(options.out):
         records = [task_split_record(spec, config.data.root, seed) for spec in data.task_specs]
         options.out.mkdir(parents=True, exist_ok=True)

@@ -161,3 +161,16 @@ def test_splits_of_a_root_without_the_files_is_a_one_line_error(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "mima data splits: error: data.root: task MNIST not found" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_split_files_already_there_are_kept_unless_asked(tmp_path, capsys):
+    first = _splits(tmp_path, {"suite": "digits", "tasks": ["rot90"]}, capsys)
+    out = tmp_path / "c-splits"
+    (out / "rot90.json").write_text("the user's own file\n")
+    argv = ["data", "splits", "--config", str(tmp_path / "c.yaml"), "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds rot90.json" in err[0] and "--overwrite" in err[0], err
+    assert (out / "rot90.json").read_text() == "the user's own file\n"
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads((out / "rot90.json").read_text()) == first["rot90"]
