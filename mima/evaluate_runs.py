@@ -559,7 +559,8 @@ def _finish_rank(store: CellStore, team: Team, stop: StopRequests) -> None:
 def _stopped(store: CellStore, team: Team, signum: int | None, title: str) -> None:
     _marker(store, team, team.rank, "stopped").touch()
     for child in team.children:
-        child.send_signal(signum or signal.SIGTERM) if child.poll() is None else None
+        if child.poll() is None:
+            child.send_signal(signum or signal.SIGTERM)
         child.wait()
     if team.rank == 0:
         kept = store.load()
