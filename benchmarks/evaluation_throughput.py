@@ -16,8 +16,10 @@ forwards with and without a validation subset.
     python benchmarks/evaluation_throughput.py [--config configs/demo.yaml] [--repeats 5]
         [--precision 32-true] [--val-examples 1000] [--sweep 1 2 4 8 16 20] [--precision-gap] [--json FILE]
 
---precision-gap adds the accuracy of the config's theta_0 per task in float32 and in bf16-mixed
-(on the CPU: torch.autocast with bfloat16), e.g. on configs/offline.yaml's real tasks.
+--precision-gap adds each task's test accuracy in float32 and in bf16-mixed (on the CPU:
+torch.autocast with bfloat16) of the config's theta_0, e.g. on configs/offline.yaml's real tasks;
+with --gap-runs RUN_DIR ..., also of what `mima evaluate` scores in those finished runs: each
+fine-tuned task model on its own task, and the uniform merge of the run's task models.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from mima.evaluation.accuracy import AUTOCAST_DTYPES, EvalSettings  # noqa: E402
 from mima.merging import get_method  # noqa: E402
 from mima.models.classifier import classify  # noqa: E402
+from mima.core.run_folder import RunFolder  # noqa: E402
 from mima.pools import task_pool  # noqa: E402
 
 # (train, validation or None: carved from train, test) of the 8-task benchmark's splits
@@ -91,16 +94,28 @@ def throughput(config: Path, repeats: int, precision: str, batch_size: int) -> d
     }
 
 
-def precision_gap(config: Path, batch_size: int) -> dict[str, dict[str, float]]:
-    """Per task: test accuracy (%) of the config's theta_0 in float32 and in bf16-mixed (autocast)."""
+def precision_gap(config: Path, batch_size: int, runs: list[Path] = ()) -> list[dict]:
+    """Rows (model, task, float32 %, bf16 %, difference in points): theta_0 of the config on every
+    task; for each finished run, each task model on its own task and the uniform merge on every task."""
     pool = task_pool(config)
-    state = {key: value.clone() for key, value in pool.encoder.state_dict().items()}
-    found = {}
-    for precision in ("32-true", "bf16-mixed"):
-        evaluator = pool.evaluator("test", EvalSettings(precision=precision, batch_size=batch_size))
-        found[precision] = {task: 100 * correct / total for task, (correct, total) in evaluator.counts(state).items()}
-    return {task: {"float32": found["32-true"][task], "bf16": found["bf16-mixed"][task],
-                   "difference": found["bf16-mixed"][task] - found["32-true"][task]} for task in pool.tasks}
+    models: list[tuple[str, dict, list[str]]] = [
+        ("theta_0", {key: value.clone() for key, value in pool.encoder.state_dict().items()}, list(pool.tasks))]
+    for run in runs:
+        folder = RunFolder(run)
+        finals = {task: folder.final(task) for task in folder.task_order()}
+        for task, weights in finals.items():
+            models.append((f"{run.name} {task} model", weights, [task]))
+        models.append((f"{run.name} uniform merge", get_method("uniform").merge(list(finals.values()), folder.pretrained()).state,
+                       list(finals)))
+    evaluators = {precision: pool.evaluator("test", EvalSettings(precision=precision, batch_size=batch_size))
+                  for precision in ("32-true", "bf16-mixed")}
+    rows = []
+    for label, weights, tasks in models:
+        found = {precision: evaluator.counts(weights, tasks) for precision, evaluator in evaluators.items()}
+        for task in tasks:
+            float32, bf16 = (100 * found[p][task][0] / found[p][task][1] for p in ("32-true", "bf16-mixed"))
+            rows.append({"model": label, "task": task, "float32": float32, "bf16": bf16, "difference": bf16 - float32})
+    return rows
 
 
 def forward_images(merges, sweep: int, val_examples: int | None) -> int:
@@ -130,12 +145,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--precision-gap", action="store_true",
                         help="also: each task's theta_0 test accuracy in float32 vs bf16-mixed (CPU autocast)")
+    parser.add_argument("--gap-runs", type=Path, nargs="+", default=[],
+                        help="with --precision-gap: finished runs of the config whose task models and uniform merge "
+                        "are compared too (--repeats 0 measures only the gap)")
     options = parser.parse_args()
-    gap = precision_gap(options.config, options.batch_size) if options.precision_gap else None
+    gap = precision_gap(options.config, options.batch_size, options.gap_runs) if options.precision_gap else None
     if gap is not None:
-        print("| task | float32 % | bf16-mixed % | difference (points) |\n| --- | ---: | ---: | ---: |")
-        for task, row in gap.items():
-            print(f"| {task} | {row['float32']:.2f} | {row['bf16']:.2f} | {row['difference']:+.2f} |")
+        print("| model | task | float32 % | bf16-mixed % | difference (points) |\n| --- | --- | ---: | ---: | ---: |")
+        for row in gap:
+            print(f"| {row['model']} | {row['task']} | {row['float32']:.2f} | {row['bf16']:.2f} | {row['difference']:+.2f} |")
+        if options.repeats == 0:
+            if options.json:
+                options.json.write_text(json.dumps({"precision_gap": gap}, indent=2))
+            return
 
     measured = throughput(options.config, options.repeats, options.precision, options.batch_size)
     print(f"evaluation loop, {measured['images']} test images, {options.precision}, {options.repeats} repeats")

@@ -20,6 +20,9 @@ from mima.core.plan import check_budget
 from mima.core.run_folder import JOINT, SweepFolder
 from mima.evaluate_runs import data_free_per_model, evaluate_runs
 from mima.evaluation.results import ModelResult
+from mima.config.model import ModelSettings
+from mima.models.clip import EMBEDDED_PREFIX, default_cache_dir
+from mima.models.embedded import ensure_embedded_model
 from mima.training.trainer import run_fit
 
 
@@ -39,7 +42,8 @@ def run_sweep(
     runs/N<n>), and with `joint` once more as the joint multi-task baseline (runs/joint: one model
     trained on all tasks for the same S steps), then `evaluate_runs`."""
     started = time.time()
-    steps = int(load_run_config(config).model.steps)  # checked and defaulted as `mima fit` would
+    model = load_run_config(config).model  # checked and defaulted as `mima fit` would
+    steps = int(model.steps)
     for n in iterations:
         check_budget(steps, n, names=("model.steps", "iterations"))
     methods = data_free_per_model(merges)
@@ -47,6 +51,7 @@ def run_sweep(
     sweep.prepare(overwrite)
     _quiet_lightning()
     print(f"{title}: S={steps} steps per task, N in {list(iterations)}")
+    prepare_embedded_model(model, progress)
     run_dirs = []
     settings = [({"iterations": n}, sweep.run(n), f"N={n}") for n in iterations]
     if joint:
@@ -63,6 +68,18 @@ def run_sweep(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
         extra=extra, started=started,
     )
+
+
+def prepare_embedded_model(model: ModelSettings, progress: bool) -> None:
+    """Pretrain an embedded model (or find it in the cache) once before the first fit, so that the
+    per-N training times printed after each fit do not include that one-time cost."""
+    if not model.clip.startswith(EMBEDDED_PREFIX):
+        return
+    started = time.time()
+    cache = Path(model.cache_dir) if model.cache_dir else default_cache_dir()
+    ensure_embedded_model(model.clip[len(EMBEDDED_PREFIX):], cache, progress=progress)
+    print(f"{model.clip}: ready in {time.time() - started:.0f} s (pretrained once and cached; not part of the "
+          "training times below)")
 
 
 def _quiet_lightning() -> None:
