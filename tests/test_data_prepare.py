@@ -8,9 +8,14 @@ for the layout, the task's loader for the splits).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import tarfile
+import threading
 import zipfile
+from dataclasses import replace
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +23,7 @@ import pytest
 from PIL import Image
 
 from mima.cli import main
-from mima.data import clip_text
+from mima.data import clip_text, prepare
 from mima.data.clip_tasks import SUN397_FOLDERS, TASKS
 from mima.data.splits import task_split_record
 
@@ -318,3 +323,45 @@ def test_wrong_arguments_are_one_line_before_any_work(tmp_path, capsys, args, me
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "data").exists()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def web_site(tmp_path):
+    """A local HTTP server for a folder: a real download through torchvision's downloader."""
+    site = tmp_path / "site"
+    site.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield site, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_fetches_the_archive_with_its_checksum_then_prepares(tmp_path, capsys, monkeypatch, web_site):
+    site, address = web_site
+    made = _dtd_archive(site)
+    data = (site / "dtd-r1.0.1.tar.gz").read_bytes()
+    recipe = prepare.RECIPES["DTD"]
+    archives, root = tmp_path / "downloads", tmp_path / "data"
+
+    def serve(md5: str) -> None:
+        item = replace(recipe.inputs[0], fetch=f"{address}/dtd-r1.0.1.tar.gz", md5=md5)
+        monkeypatch.setitem(prepare.RECIPES, "DTD", replace(recipe, inputs=(item,)))
+
+    serve("0" * 32)  # a checksum the file does not have: nothing is kept
+    code, lines, _ = _prepare(capsys, root, "--archives", str(archives), "--tasks", "DTD", "--download")
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith(f"DTD: download of dtd-r1.0.1.tar.gz from {address}/dtd-r1.0.1.tar.gz failed")
+    assert list(archives.iterdir()) == [] and not root.exists()
+    serve(hashlib.md5(data).hexdigest())
+    code, lines, _ = _prepare(capsys, root, "--archives", str(archives), "--tasks", "DTD", "--download")
+    assert code == 0 and lines[0].startswith(f"DTD: prepared: train {made['train']}, test (in val/) {made['test']} -> ")
+    assert [p.name for p in archives.iterdir()] == ["dtd-r1.0.1.tar.gz"]
+    assert (archives / "dtd-r1.0.1.tar.gz").read_bytes() == data
+    assert _split_sizes("DTD", root) == {"train": made["train"], "test": made["test"]}

@@ -14,6 +14,7 @@ import gzip
 import lzma
 import os
 import shutil
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -140,6 +141,8 @@ def staged_folder(target: Path, overwrite: bool) -> Iterator[Path]:
     staging, created = stage_folder(target)
     try:
         yield staging
+        # mkdtemp makes it private: give it the permissions of the data folder it is placed in
+        staging.chmod(stat.S_IMODE(target.parent.stat().st_mode))
         if overwrite and (target.exists() or target.is_symlink()):
             aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".old", dir=target.parent))
             os.replace(target, aside)  # an empty folder is replaced by the rename

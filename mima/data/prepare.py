@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -64,10 +65,6 @@ class Download:
 
     def find(self, folder: Path) -> Path | None:
         return next((folder / name for name in (self.name, *self.alternatives) if (folder / name).is_file()), None)
-
-    def describe(self) -> str:
-        names = " or ".join((self.name, *self.alternatives))
-        return f"{names} (from {self.url})"
 
 
 Inputs = dict[str, Path]  # Download.name -> the file found for it
@@ -195,7 +192,7 @@ def prepare_eurosat(inputs: Inputs, out: Path) -> Sizes:
 # --------------------------------------------------------------------------------- RESISC45
 RESISC45_LISTS = "https://storage.googleapis.com/remote_sensing_representations/resisc45-{}.txt"
 RESISC45_FILES = (
-    Download("NWPU-RESISC45.rar", "https://gcheng-nwpu.github.io/#Datasets (the publisher's OneDrive)",
+    Download("NWPU-RESISC45.rar", "https://gcheng-nwpu.github.io/#Datasets, the authors' links; or torchgeo's .zip",
              alternatives=("NWPU-RESISC45.zip",)),
     *(Download(f"resisc45-{split}.txt", RESISC45_LISTS.format(split), fetch=RESISC45_LISTS.format(split)) for split in ("train", "test")),
 )
@@ -280,7 +277,7 @@ def prepare_sun397(inputs: Inputs, out: Path) -> Sizes:
 
 
 # ------------------------------------------------------------------------------------- Cars
-CARS_SITE = "http://ai.stanford.edu/~jkrause/cars/car_dataset.html (offline; copies on Kaggle and the Internet Archive)"
+CARS_SITE = "http://ai.stanford.edu/~jkrause/cars/car_dataset.html, offline now: copies on Kaggle or the Internet Archive"
 CARS_FILES = (
     Download("cars_train.tgz", CARS_SITE),
     Download("cars_test.tgz", CARS_SITE),
@@ -380,11 +377,15 @@ def _fetch(download: Download, folder: Path, say: Callable[[str], None]) -> None
 
     say(f"mima data prepare: downloading {download.fetch} into {folder} ...")
     folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{download.name}.{os.getpid()}.part"  # the file gets its name once complete
     try:
-        download_url(download.fetch, str(folder), filename=download.name, md5=download.md5)
+        download_url(download.fetch, str(folder), filename=partial.name, md5=download.md5)
+        partial.rename(folder / download.name)
     except Exception as exc:  # network errors, a wrong checksum (torchvision's RuntimeError)
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise MimaError(f"download of {download.name} from {download.fetch} failed ({reason})") from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _inputs(recipe: Recipe, archives: Path, download: bool, say: Callable[[str], None]) -> Inputs:
@@ -400,7 +401,11 @@ def _inputs(recipe: Recipe, archives: Path, download: bool, say: Callable[[str],
             found[item.name] = path
     missing = [item for item in recipe.inputs if item.name not in found]
     if missing:
-        raise MimaError(f"missing {'; '.join(item.describe() for item in missing)} in {archives}")
+        by_source: dict[str, list[str]] = {}  # files from one place named together
+        for item in missing:
+            by_source.setdefault(item.url, []).append(" or ".join((item.name, *item.alternatives)))
+        named = "; ".join(f"{', '.join(names)} (from {url})" for url, names in by_source.items())
+        raise MimaError(f"missing {named} in {archives}")
     return found
 
 
@@ -418,7 +423,7 @@ def prepare_task(name: str, root: Path, archives: Path, download: bool, overwrit
         if found:
             return True, "already there"
         if not download:
-            return False, f"missing; torchvision downloads it: add --download (or get it from {task.source})"
+            return False, "missing; torchvision downloads it: add --download"
         say(f"mima data prepare: {name}: downloading with torchvision into {root} ...")
         try:
             task.download(root)
