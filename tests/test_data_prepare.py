@@ -307,6 +307,17 @@ def test_a_missing_archive_names_the_file_and_its_source(tmp_path, capsys):
     assert not (tmp_path / "sun397").exists() and _leftovers(tmp_path) == []
 
 
+def test_an_archive_without_the_listed_images_is_one_line(tmp_path, capsys):
+    made = _resisc45_archive(tmp_path)
+    files = {name: data for name, data in made["files"].items() if not name.endswith("/sea_ice_004.jpg")}
+    _zip(tmp_path / "NWPU-RESISC45.zip", files)  # a copy that lost one test image
+    code, lines, _ = _prepare(capsys, tmp_path, "--tasks", "RESISC45")
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith(f"RESISC45: {tmp_path / 'NWPU-RESISC45.zip'}: 1 images listed in resisc45-test.txt "
+                               f"are not in the archive (e.g. sea_ice_004.jpg)")
+    assert not (tmp_path / "resisc45").exists() and _leftovers(tmp_path) == []
+
+
 def test_tasks_torchvision_downloads_are_named_not_prepared(tmp_path, capsys):
     code, lines, _ = _prepare(capsys, tmp_path, "--tasks", "MNIST")
     assert code == 1 and len(lines) == 1 and lines[0].startswith("MNIST: missing; torchvision downloads it: add --download")

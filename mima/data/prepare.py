@@ -177,9 +177,9 @@ def prepare_eurosat(inputs: Inputs, out: Path) -> Sizes:
     for class_name in text.EUROSAT_FOLDERS:
         count = len(members.get(class_name, {}))
         if count <= 2 * EUROSAT_HELD_OUT_PER_CLASS:
-            raise MimaError(f"{archive}: class folder {class_name}/ holds {count} images, more than "
-                            f"{2 * EUROSAT_HELD_OUT_PER_CLASS} expected (270 validation + 270 test); "
-                            f"is it the RGB release from {source}?")
+            raise MimaError(f"{archive}: class folder {class_name}/ holds {count} images; more than "
+                            f"{2 * EUROSAT_HELD_OUT_PER_CLASS} are needed (270 validation, 270 test, the rest "
+                            f"training); is it the RGB release from {source}?")
     for class_name in text.EUROSAT_FOLDERS:
         for split, names in eurosat_split(list(members[class_name])).items():
             (out / split / class_name).mkdir(parents=True, exist_ok=True)
@@ -312,38 +312,40 @@ FER_FILES = (Download("challenges-in-representation-learning-facial-expression-r
 FER_CSVS = ("fer2013.csv", "icml_face_data.csv")  # the files with test labels, in torchvision's order of preference
 
 
-def _fer_usage_counts(data: bytes) -> Sizes:
-    rows = csv.reader(io.StringIO(data.decode("utf-8", "replace")))
-    header = [cell.strip() for cell in next(rows, [])]
-    if "Usage" not in header:
-        raise MimaError("FER2013: the csv has no Usage column")
-    column = header.index("Usage")
-    usage = [row[column].strip() for row in rows if len(row) > column]
+def _fer_usage_counts(path: Path) -> Sizes:
+    with open(path, newline="", encoding="utf-8", errors="replace") as stream:
+        rows = csv.reader(stream)
+        header = [cell.strip() for cell in next(rows, [])]
+        if "Usage" not in header:
+            raise MimaError(f"FER2013: {path.name} has no Usage column; is it the challenge's file?")
+        column = header.index("Usage")
+        usage = [row[column].strip() for row in rows if len(row) > column]
     return {"train": usage.count("Training"), "test": usage.count("PublicTest") + usage.count("PrivateTest")}
 
 
 def prepare_fer2013(inputs: Inputs, out: Path) -> Sizes:
     """The labelled csv, taken from Kaggle's zip (directly, or from the fer2013.tar.gz inside it)
-    or from fer2013.tar.gz, written byte for byte (torchvision checks its md5)."""
+    or from fer2013.tar.gz, written byte for byte (torchvision checks its md5); of the two, the
+    one torchvision prefers is kept."""
     archive = inputs[FER_FILES[0].name]
-    found: dict[str, bytes] = {}
 
     def take(files) -> None:
         for name, stream in files:
             base = name.rsplit("/", 1)[-1]
-            if base in FER_CSVS and base not in found:
-                found[base] = stream.read()
+            if base in FER_CSVS and not (out / base).exists():
+                copy_to(stream, out / base)
             elif base == "fer2013.tar.gz":
                 take(nested_tar_files(stream))
 
     with damaged_archive(archive, FER_SOURCE):
         take(archive_files(archive, FER_SOURCE))
-    chosen = next((name for name in FER_CSVS if name in found), None)
-    if chosen is None:
+    found = [name for name in FER_CSVS if (out / name).exists()]
+    if not found:
         raise MimaError(f"{archive}: holds neither fer2013.csv nor icml_face_data.csv (the files with test labels); "
                         f"download the challenge's data from {FER_SOURCE}")
-    (out / chosen).write_bytes(found[chosen])
-    return _fer_usage_counts(found[chosen])
+    for unused in found[1:]:
+        (out / unused).unlink()
+    return _fer_usage_counts(out / found[0])
 
 
 RECIPES: dict[str, Recipe] = {recipe.task: recipe for recipe in (
@@ -445,8 +447,8 @@ def prepare_task(name: str, root: Path, archives: Path, download: bool, overwrit
         sizes = recipe.build(inputs, staging)
         missing = _incomplete(task, recipe.folder, staging)
         if missing:
-            archive = next(iter(inputs.values()))
-            raise MimaError(f"{archive}: gives no {missing}; is it the download from {recipe.inputs[0].url}?")
+            names = ", ".join(path.name for path in inputs.values())
+            raise MimaError(f"{names} in {archives}: give no {missing}; are they the downloads from {recipe.inputs[0].url}?")
     return True, f"prepared: {_sizes(sizes)} -> {target}"
 
 
