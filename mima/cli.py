@@ -346,17 +346,13 @@ def data_command(argv: Sequence[str]) -> int:
     if argv[0] != "check":
         raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
     from mima.data.check import run_check, select_tasks
-    from mima.data.clip_tasks import BENCHMARKS
 
     parser = _OneLineParser(
         prog="mima data check",
         description="Check the files of the clip suite's benchmark tasks under a data root (names on disk only, "
         "nothing is opened). Exit status 0 when every checked task is found, 1 otherwise.",
     )
-    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--tasks", nargs="+", metavar="TASK", help="tasks to check (default: all tasks of the clip suite)")
-    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help="check the 8-, 14- or 20-task benchmark")
+    _add_root_and_tasks(parser, "check")
     parser.add_argument("--download", action="store_true",
                         help="first let torchvision download the checked tasks it can (needs internet)")
     options = parser.parse_args(argv[1:])
@@ -420,9 +416,18 @@ def splits_command(argv: Sequence[str]) -> None:
             print(f"mima data splits: {record['task']}: {sizes} -> {path}")
 
 
+def _add_root_and_tasks(parser: argparse.ArgumentParser, verb: str) -> None:
+    """--root and the task selection of `mima data check` and `mima data prepare`."""
+    from mima.data.clip_tasks import BENCHMARKS
+
+    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tasks", nargs="+", metavar="TASK", help=f"tasks to {verb} (default: all tasks of the clip suite)")
+    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help=f"{verb} the 8-, 14- or 20-task benchmark")
+
+
 def prepare_command(argv: Sequence[str]) -> int:
     from mima.data.check import select_tasks
-    from mima.data.clip_tasks import BENCHMARKS
     from mima.data.prepare import run_prepare, validate_arguments
 
     parser = _OneLineParser(
@@ -431,18 +436,15 @@ def prepare_command(argv: Sequence[str]) -> int:
         "with task_vectors' splits (README, 'Real tasks'). One line per task: prepared (with its split sizes), already "
         "there, or what is missing and where to get it. Exit status 0 when every task is ready, 1 otherwise.",
     )
-    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
+    _add_root_and_tasks(parser, "prepare")
     parser.add_argument("--archives", type=Path, default=None, help="the folder holding the downloaded archives (default: --root)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--tasks", nargs="+", metavar="TASK", help="tasks to prepare (default: all tasks of the clip suite)")
-    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help="prepare the 8-, 14- or 20-task benchmark")
     parser.add_argument("--download", action="store_true", help="first fetch what torchvision's downloader can (needs internet)")
     parser.add_argument("--overwrite", action="store_true", help="prepare again tasks whose folder is already there")
     options = parser.parse_args(argv)
     root = options.root.expanduser()
     archives = (options.archives or options.root).expanduser()
     names = select_tasks(options.tasks, options.benchmark)
-    validate_arguments(root, archives, options.download)
+    validate_arguments(root, archives, options.download, "--archives" if options.archives else "--root")
     return run_prepare(root, archives, names, download=options.download, overwrite=options.overwrite,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
 

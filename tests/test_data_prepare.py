@@ -326,6 +326,7 @@ def test_tasks_torchvision_downloads_are_named_not_prepared(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--archives", "NOWHERE"], "--archives"),
     (["--tasks", "Nope"], "unknown task 'Nope'"),
+    ([], "--root"),  # the archives are looked for in the root, which does not exist
 ])
 def test_wrong_arguments_are_one_line_before_any_work(tmp_path, capsys, args, message):
     _dtd_archive(tmp_path)

@@ -466,11 +466,12 @@ def run_prepare(root: Path, archives: Path, names: Sequence[str], download: bool
     return 1 if failed else 0
 
 
-def validate_arguments(root: Path, archives: Path, download: bool) -> None:
-    """Before any work: the data root is a folder (or can be made), the archive folder exists."""
-    for option, path in (("--root", root), ("--archives", archives)):
+def validate_arguments(root: Path, archives: Path, download: bool, archives_option: str = "--archives") -> None:
+    """Before any work: the data root is a folder (or can be made), the archive folder exists
+    (`archives_option`: the option that named it, --root when --archives is not given)."""
+    for option, path in (("--root", root), (archives_option, archives)):
         if path.exists() and not path.is_dir():
             raise MimaError(f"{option} {path}: is a file, not a folder")
     if not archives.is_dir() and not download:
-        raise MimaError(f"--archives {archives}: no such folder; put the downloaded archives there "
+        raise MimaError(f"{archives_option} {archives}: no such folder; put the downloaded archives there "
                         f"(or pass --download to let torchvision fetch those it can)")
