@@ -31,7 +31,6 @@ them (as `mima data check --download` does).
 from __future__ import annotations
 
 import csv
-import io
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
