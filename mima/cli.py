@@ -10,6 +10,7 @@
     mima data check --root DIR [--tasks A B ... | --benchmark 8|14|20] [--download]
     mima data cache --config FILE [--data.root DIR] [--workers N]   decode a config's tasks once (data.cache)
     mima data splits --config FILE --out DIR [--data.root DIR]   each task's train/val/test indices (JSON)
+    mima data prepare --root DIR [--archives DIR] [--tasks A B ... | --benchmark 8|14|20] [--download] [--overwrite]
     mima analyze cosine|landscape|rank-sweep|ctl|gradients ...   why a merge works (plots + numbers)
     mima report DIR [--out DIR]                     one Markdown + HTML page for a run or a sweep
 
@@ -45,6 +46,7 @@ DATA_COMMANDS = {
     "check": "list, per task, the files and folders expected under --root and which are missing (exit 1 if any)",
     "cache": "decode, resize and crop a config's tasks once into uint8 files (what `data.cache: true` reads)",
     "splits": "write each task's train/val/test example indices (JSON, one file per task) to audit or share them",
+    "prepare": "lay out the publishers' downloaded archives (DTD, EuroSAT, RESISC45, SUN397, Cars, FER2013) under --root",
 }
 
 
@@ -339,20 +341,18 @@ def data_command(argv: Sequence[str]) -> int:
     if argv[0] == "splits":
         splits_command(argv[1:])
         return 0
+    if argv[0] == "prepare":
+        return prepare_command(argv[1:])
     if argv[0] != "check":
         raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
     from mima.data.check import run_check, select_tasks
-    from mima.data.clip_tasks import BENCHMARKS
 
     parser = _OneLineParser(
         prog="mima data check",
         description="Check the files of the clip suite's benchmark tasks under a data root (names on disk only, "
         "nothing is opened). Exit status 0 when every checked task is found, 1 otherwise.",
     )
-    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--tasks", nargs="+", metavar="TASK", help="tasks to check (default: all tasks of the clip suite)")
-    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help="check the 8-, 14- or 20-task benchmark")
+    _add_root_and_tasks(parser, "check")
     parser.add_argument("--download", action="store_true",
                         help="first let torchvision download the checked tasks it can (needs internet)")
     options = parser.parse_args(argv[1:])
@@ -415,6 +415,38 @@ def splits_command(argv: Sequence[str]) -> None:
             sizes = ", ".join(f"{split} {record[split]['size']} (of {record[split]['from']})" for split in ("train", "val", "test"))
             print(f"mima data splits: {record['task']}: {sizes} -> {path}")
 
+
+def _add_root_and_tasks(parser: argparse.ArgumentParser, verb: str) -> None:
+    """--root and the task selection of `mima data check` and `mima data prepare`."""
+    from mima.data.clip_tasks import BENCHMARKS
+
+    parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tasks", nargs="+", metavar="TASK", help=f"tasks to {verb} (default: all tasks of the clip suite)")
+    which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help=f"{verb} the 8-, 14- or 20-task benchmark")
+
+
+def prepare_command(argv: Sequence[str]) -> int:
+    from mima.data.check import select_tasks
+    from mima.data.prepare import run_prepare, validate_arguments
+
+    parser = _OneLineParser(
+        prog="mima data prepare",
+        description="Lay out the clip suite's tasks under --root from the archives their publishers distribute, "
+        "with task_vectors' splits (README, 'Real tasks'). One line per task: prepared (with its split sizes), already "
+        "there, or what is missing and where to get it. Exit status 0 when every task is ready, 1 otherwise.",
+    )
+    _add_root_and_tasks(parser, "prepare")
+    parser.add_argument("--archives", type=Path, default=None, help="the folder holding the downloaded archives (default: --root)")
+    parser.add_argument("--download", action="store_true", help="first fetch what torchvision's downloader can (needs internet)")
+    parser.add_argument("--overwrite", action="store_true", help="prepare again tasks whose folder is already there")
+    options = parser.parse_args(argv)
+    root = options.root.expanduser()
+    archives = (options.archives or options.root).expanduser()
+    names = select_tasks(options.tasks, options.benchmark)
+    validate_arguments(root, archives, options.download, "--archives" if options.archives else "--root")
+    return run_prepare(root, archives, names, download=options.download, overwrite=options.overwrite,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ---------------------------------------------------------------------------- analyze

@@ -89,7 +89,8 @@ def summary(root: Path, reports: Sequence[TaskReport], failures: dict[str, str])
             lines.append(f"download of {name} failed: {message}")
         manual = [r.task for r in lacking if not r.task.downloadable]
         if manual:
-            lines.append("to be downloaded and laid out by hand (README, section 'Real tasks'):")
+            lines.append("to be downloaded by hand (README, section 'Real tasks'), then laid out by "
+                         f"mima data prepare --root {root} --tasks {' '.join(task.name for task in manual)}:")
             lines += [f"  {task.name}: {task.source}" for task in manual]
     return "\n".join(lines)
 
