@@ -21,10 +21,11 @@ class KillAtStep(Callback):
     Checkpoints are written in the background, so a kill one step after a save would race the
     writer. With `group=True` every rank therefore first waits, at its own step `step`, until its
     earlier saves are on disk and says so with a file; the killing rank waits for all of them. (Ranks
-    are not in lockstep between syncs, but each reaches step `step` before the next sync.)"""
+    are not in lockstep between syncs, but each reaches step `step` before the next sync.) With
+    `wait_for_others=False` the killing rank does not wait: for ranks that start past `step`."""
 
-    def __init__(self, step: int, rank: int = 0, group: bool = True) -> None:
-        self.step, self.rank, self.group = step, rank, group
+    def __init__(self, step: int, rank: int = 0, group: bool = True, wait_for_others: bool = True) -> None:
+        self.step, self.rank, self.group, self.wait_for_others = step, rank, group, wait_for_others
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self.step:
@@ -38,7 +39,7 @@ class KillAtStep(Callback):
         if trainer.global_rank != self.rank:
             return
         if self.group:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + (120 if self.wait_for_others else 0)
             while time.monotonic() < deadline and not all(
                 (Path(trainer.default_root_dir) / f".settled-{rank}").exists() for rank in range(trainer.world_size)
             ):
