@@ -1,4 +1,5 @@
-"""Fault injection for the distributed tests, loaded into `mima fit` subprocesses by class path.
+"""Fault injection for the tests: callbacks loaded into `mima fit` subprocesses by class path, and a
+file size limit for any subprocess.
 
 The test starts each job in its own process group, so killing the group kills every process of
 the job at once, as a node failure or `scancel` would.
@@ -122,3 +123,13 @@ class WaitForFileAtStep(Callback):
         deadline = time.monotonic() + self.timeout
         while not self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def file_size_limit(limit_bytes: int):
+    """preexec_fn of a subprocess: it may write no file beyond `limit_bytes` (RLIMIT_FSIZE), so a write
+    fails as a full disk's would, at a size the test chooses."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
