@@ -16,20 +16,33 @@
 
 A user's mistake (a missing file, an unknown option value, incompatible checkpoints) is reported
 as one line on stderr with exit status 2, and leaves no partial output behind.
+
+Every parser is built from modules that import nothing heavy (mima.command_options, the
+analyses' and convert's options modules, mima.merging.catalogue, mima.data.benchmarks), so that
+`--help` and argument errors answer before torch, Lightning or open_clip are imported; a command
+imports its module only once its options have parsed. `parse(command, argv)` parses a command line
+without running it (tests/test_docs_commands.py checks every example of the documentation with it).
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
-import os
 import contextlib
+import errno
+import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mima.analysis import ANALYSES
+from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES, add_merge_arguments, add_report_arguments
+from mima.config.source import check_config_source
+from mima.convert.options import add_arguments as add_convert_arguments
 from mima.core.errors import MimaError
+from mima.data.benchmarks import BENCHMARKS
+from mima.merging.catalogue import check_method_name
 
 COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
@@ -175,11 +188,30 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def parse(command: str, argv: Sequence[str]):
+    """The options of `mima COMMAND ARGV...`, parsed and checked as the command parses them, without
+    running it; for `data` and `analyze` the subcommand is argv[0]. No file is opened (a --config may
+    be a placeholder), except by `fit`, whose LightningCLI parser reads its --config files (and which
+    imports Lightning). A mistake raises MimaError (one line); --help prints and exits (SystemExit)."""
+    if command == "fit":
+        from mima.training.trainer import parse_fit
+
+        return parse_fit(list(argv))
+    if command == "data":
+        return _data_options(argv)
+    if command == "analyze":
+        return _analysis_options(argv[0] if argv else "", argv[1:])
+    if command not in _OPTIONS:
+        raise MimaError(f"unknown command '{command}' (commands: {', '.join(COMMANDS)})")
+    return _OPTIONS[command](argv)
+
+
 # -------------------------------------------------------------------------------- fit
 def fit_command(argv: Sequence[str]) -> int:
     """Exit status: 0 when the run finished; 128 + the signal number when a signal stopped it after
     saving a checkpoint (on the process that was started; the others exit 0 so that launchers do not
     tear the job down before it has saved)."""
+    _check_fit_config_files(argv)  # before Lightning is imported: a typo answers at once
     from mima.training.trainer import launch_rank, run_fit
 
     result = run_fit(argv)
@@ -188,10 +220,23 @@ def fit_command(argv: Sequence[str]) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- prefetch
-def prefetch_command(argv: Sequence[str]) -> None:
-    from mima.prefetch import prefetch
+def _check_fit_config_files(argv: Sequence[str]) -> None:
+    """Refuse a `--config FILE` (or -c FILE, --config=FILE) that does not exist. A value that holds
+    YAML itself (jsonargparse takes that too) is left to the parser."""
+    for index, word in enumerate(argv):
+        if word in ("--config", "-c") and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif word.startswith("--config="):
+            value = word.split("=", 1)[1]
+        else:
+            continue
+        holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
+        if not holds_yaml and not Path(value).exists():
+            raise MimaError(f"--config {value}: no such file")
 
+
+# --------------------------------------------------------------------------- prefetch
+def _prefetch_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima prefetch",
         description="Fetch what a `mima fit` config needs from the network: the open_clip weights of "
@@ -200,8 +245,14 @@ def prefetch_command(argv: Sequence[str]) -> None:
         "run offline (HF_HUB_OFFLINE=1).",
     )
     _add_config_arguments(parser)
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def prefetch_command(argv: Sequence[str]) -> None:
+    options = _prefetch_options(argv)
     config = _config_with_root(options)
+    from mima.prefetch import prefetch
+
     prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True))
 
 
@@ -213,6 +264,7 @@ def _add_config_arguments(parser) -> None:
 
 
 def _config_with_root(options):
+    check_config_source(options.config)  # before the config machinery (and torch) is imported
     from mima.config.run_config import load_run_config
 
     config = load_run_config(options.config)
@@ -222,10 +274,7 @@ def _config_with_root(options):
 
 
 # ------------------------------------------------------------------------------- demo
-def demo_command(argv: Sequence[str]) -> None:
-    from mima.core.plan import check_budget
-    from mima.demo import DEMO_ITERATIONS, DEMO_MERGES, demo_config, run_demo
-
+def _demo_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(prog="mima demo", description="MIMA on the embedded digits tasks (configs/demo.yaml), end to end.")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
     parser.add_argument("--iterations", type=int, nargs="+", default=list(DEMO_ITERATIONS), help="values of N")
@@ -241,7 +290,14 @@ def demo_command(argv: Sequence[str]) -> None:
                         help="skip the joint multi-task baseline (one model trained on all tasks, same S)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def demo_command(argv: Sequence[str]) -> None:
+    options = _demo_options(argv)
+    from mima.core.plan import check_budget
+    from mima.demo import demo_config, run_demo
+
     steps = options.steps if options.steps is not None else int(demo_config()["model"]["steps"])
     for n in options.iterations:
         check_budget(steps, n, names=("--steps", "--iterations"))
@@ -259,19 +315,23 @@ def demo_command(argv: Sequence[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ merge
-def merge_command(argv: Sequence[str]) -> None:
-    from mima.merge_command import add_arguments, run_merge
-
+def _merge_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(prog="mima merge", description="Merge fine-tuned image-encoder state dicts.")
-    add_arguments(parser)
-    run_merge(parser.parse_args(argv))
+    add_merge_arguments(parser)
+    options = parser.parse_args(argv)
+    check_method_name(options.method)
+    return options
+
+
+def merge_command(argv: Sequence[str]) -> None:
+    options = _merge_options(argv)
+    from mima.merge_command import run_merge
+
+    run_merge(options)
 
 
 # --------------------------------------------------------------------------- evaluate
-def evaluate_command(argv: Sequence[str]) -> None:
-    from mima.demo import DEMO_MERGES
-    from mima.evaluate_runs import evaluate_runs, team_for
-
+def _evaluate_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima evaluate",
         description="Evaluate finished `mima fit` runs of the same tasks (typically one per N, or one per N and seed): "
@@ -302,6 +362,13 @@ def evaluate_command(argv: Sequence[str]) -> None:
     options = parser.parse_args(argv)
     if options.val_examples is not None and options.val_examples <= 0:
         parser.error(f"--val-examples {options.val_examples}: expected a positive number of examples per task")
+    return options
+
+
+def evaluate_command(argv: Sequence[str]) -> None:
+    options = _evaluate_options(argv)
+    from mima.evaluate_runs import evaluate_runs, team_for
+
     team = team_for(options.devices, argv)
     with no_empty_folder_left(options.out):
         evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
@@ -310,9 +377,7 @@ def evaluate_command(argv: Sequence[str]) -> None:
 
 
 # ---------------------------------------------------------------------------- convert
-def convert_command(argv: Sequence[str]) -> None:
-    from mima.convert.command import add_arguments, main
-
+def _convert_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima convert",
         description="Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, without\n"
@@ -324,8 +389,15 @@ def convert_command(argv: Sequence[str]) -> None:
         "  mima convert --to hf-clip merged.safetensors --activation quick_gelu --output merged-hf/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_arguments(parser)
-    main(parser.parse_args(argv))
+    add_convert_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def convert_command(argv: Sequence[str]) -> None:
+    options = _convert_options(argv)
+    from mima.convert.command import main
+
+    main(options)
 
 
 # ------------------------------------------------------------------------------- data
@@ -345,8 +417,23 @@ def data_command(argv: Sequence[str]) -> int:
         return prepare_command(argv[1:])
     if argv[0] != "check":
         raise MimaError(f"unknown data subcommand '{argv[0]}' (subcommands: {', '.join(DATA_COMMANDS)})")
+    options = _data_check_options(argv[1:])
     from mima.data.check import run_check, select_tasks
 
+    return run_check(options.root, select_tasks(options.tasks, options.benchmark), download=options.download)
+
+
+def _data_options(argv: Sequence[str]) -> argparse.Namespace:
+    """The options of `mima data SUBCOMMAND ...` (for `parse`)."""
+    subcommands = {"check": _data_check_options, "cache": _data_cache_options, "splits": _data_splits_options,
+                   "prepare": _data_prepare_options}
+    if not argv or argv[0] not in subcommands:
+        name = argv[0] if argv else ""
+        raise MimaError(f"unknown data subcommand '{name}' (subcommands: {', '.join(DATA_COMMANDS)})")
+    return subcommands[argv[0]](argv[1:])
+
+
+def _data_check_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima data check",
         description="Check the files of the clip suite's benchmark tasks under a data root (names on disk only, "
@@ -355,13 +442,10 @@ def data_command(argv: Sequence[str]) -> int:
     _add_root_and_tasks(parser, "check")
     parser.add_argument("--download", action="store_true",
                         help="first let torchvision download the checked tasks it can (needs internet)")
-    options = parser.parse_args(argv[1:])
-    return run_check(options.root, select_tasks(options.tasks, options.benchmark), download=options.download)
+    return parser.parse_args(argv)
 
 
-def cache_command(argv: Sequence[str]) -> None:
-    from mima.models.clip import default_cache_dir, load_clip
-
+def _data_cache_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima data cache",
         description="Build the decoded-image cache of a `mima fit` config's tasks (mima.data.cache_store): each split "
@@ -371,8 +455,14 @@ def cache_command(argv: Sequence[str]) -> None:
     )
     _add_config_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="decoding processes (default: data.num_workers or up to 4)")
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def cache_command(argv: Sequence[str]) -> None:
+    options = _data_cache_options(argv)
     config = _config_with_root(options)
+    from mima.models.clip import default_cache_dir, load_clip
+
     if options.workers is not None:
         if options.workers < 0:
             raise MimaError(f"--workers must be >= 0, got {options.workers}")
@@ -386,10 +476,7 @@ def cache_command(argv: Sequence[str]) -> None:
     print(f"mima data cache: in {data.cache_folder}")
 
 
-def splits_command(argv: Sequence[str]) -> None:
-    from mima.core.files import refuse_overwrite
-    from mima.data.splits import task_split_record, write_split_file
-
+def _data_splits_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima data splits",
         description="Write, for each task of a `mima fit` config, the example indices of its train, val and test "
@@ -401,8 +488,15 @@ def splits_command(argv: Sequence[str]) -> None:
     _add_config_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files (one per task)")
     parser.add_argument("--overwrite", action="store_true", help="replace split files already in --out")
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def splits_command(argv: Sequence[str]) -> None:
+    options = _data_splits_options(argv)
     config = _config_with_root(options)
+    from mima.core.files import refuse_overwrite
+    from mima.data.splits import task_split_record, write_split_file
+
     data = config.datamodule()
     seed = int(config.data.split_seed)
     if not options.overwrite:  # before any work: an earlier audit file is the user's
@@ -418,18 +512,13 @@ def splits_command(argv: Sequence[str]) -> None:
 
 def _add_root_and_tasks(parser: argparse.ArgumentParser, verb: str) -> None:
     """--root and the task selection of `mima data check` and `mima data prepare`."""
-    from mima.data.clip_tasks import BENCHMARKS
-
     parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--tasks", nargs="+", metavar="TASK", help=f"tasks to {verb} (default: all tasks of the clip suite)")
     which.add_argument("--benchmark", choices=tuple(BENCHMARKS), help=f"{verb} the 8-, 14- or 20-task benchmark")
 
 
-def prepare_command(argv: Sequence[str]) -> int:
-    from mima.data.check import select_tasks
-    from mima.data.prepare import run_prepare, validate_arguments
-
+def _data_prepare_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima data prepare",
         description="Lay out the clip suite's tasks under --root from the archives their publishers distribute, "
@@ -440,7 +529,14 @@ def prepare_command(argv: Sequence[str]) -> int:
     parser.add_argument("--archives", type=Path, default=None, help="the folder holding the downloaded archives (default: --root)")
     parser.add_argument("--download", action="store_true", help="first fetch what torchvision's downloader can (needs internet)")
     parser.add_argument("--overwrite", action="store_true", help="prepare again tasks whose folder is already there")
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def prepare_command(argv: Sequence[str]) -> int:
+    options = _data_prepare_options(argv)
+    from mima.data.check import select_tasks
+    from mima.data.prepare import run_prepare, validate_arguments
+
     root = options.root.expanduser()
     archives = (options.archives or options.root).expanduser()
     names = select_tasks(options.tasks, options.benchmark)
@@ -451,42 +547,51 @@ def prepare_command(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------------------- analyze
 def analyze_command(argv: Sequence[str]) -> None:
-    import importlib
-
-    from mima.analysis import ANALYSES
-
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mima analyze ANALYSIS [options]   (mima analyze ANALYSIS --help)\n\nanalyses:")
         print("\n".join(f"  {name:<10} {text}" for name, (_, text) in ANALYSES.items()))
         return
-    name = argv[0]
-    if name not in ANALYSES:
-        raise MimaError(f"unknown analysis '{name}' (analyses: {', '.join(ANALYSES)})")
-    module_name, description = ANALYSES[name]
-    module = importlib.import_module(module_name)
-    parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
-    module.add_arguments(parser)
-    options = parser.parse_args(argv[1:])
+    options = _analysis_options(argv[0], argv[1:])
+    package, _ = ANALYSES[argv[0]]
+    command = importlib.import_module(f"{package}.command")
     from mima.analysis.common import staged_outputs
 
     with no_empty_folder_left(getattr(options, "out", None)), staged_outputs():
-        module.main(options)
+        command.main(options)
+
+
+def _analysis_options(name: str, argv: Sequence[str]) -> argparse.Namespace:
+    if name not in ANALYSES:
+        raise MimaError(f"unknown analysis '{name}' (analyses: {', '.join(ANALYSES)})")
+    package, description = ANALYSES[name]
+    parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
+    importlib.import_module(f"{package}.options").add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- report
-def report_command(argv: Sequence[str]) -> None:
-    from mima.report import add_arguments, main
-
+def _report_options(argv: Sequence[str]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="mima report",
         description="Write one page (report.md and a self-contained report.html) for a `mima fit` run folder or a "
         "sweep folder (`mima demo`, `mima evaluate --out`): the Table-1 results, alignment and accuracy plots, "
         "the analyses found under analysis/, and links to the checkpoints.",
     )
-    add_arguments(parser)
-    options = parser.parse_args(argv)
+    add_report_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def report_command(argv: Sequence[str]) -> None:
+    options = _report_options(argv)
+    from mima.report import main
+
     with no_empty_folder_left(options.out):
         main(options)
+
+
+# the parse step of each command without subcommands (`parse`); fit's is LightningCLI's
+_OPTIONS = {"demo": _demo_options, "prefetch": _prefetch_options, "merge": _merge_options, "evaluate": _evaluate_options,
+            "convert": _convert_options, "report": _report_options}
 
 
 @contextlib.contextmanager

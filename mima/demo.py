@@ -16,14 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES
 from mima.core.errors import MimaError
 from mima.evaluation.results import ModelResult
 from mima.sweep import run_sweep
 from mima.config.run_config import load_run_config
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-DEMO_ITERATIONS = (1, 2, 4, 8)
-DEMO_MERGES = ("uniform", "task_arithmetic", "ties", "cart")  # the foundation merges; --merges picks others
 
 
 def demo_config(steps: int | None = None, lr_schedule: str | None = None) -> dict:

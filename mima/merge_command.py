@@ -19,7 +19,6 @@ the inputs (under any name), a folder, or left half written.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,9 +26,9 @@ from typing import TYPE_CHECKING
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
-from mima.merging import MERGE_METHODS, get_method
+from mima.merging import get_method
 from mima.merging.engine import expand_models, merge_to_file, open_inputs, write_state_dict
-from mima.merging.registry import HYPERPARAMETERS, Hyperparameter, MergeMethod
+from mima.merging.registry import HYPERPARAMETERS, MergeMethod
 from mima.merging.selection import Selection, merge_with_defaults, select_on_validation
 
 if TYPE_CHECKING:
@@ -38,30 +37,6 @@ if TYPE_CHECKING:
 
 def flag(name: str) -> str:
     return HYPERPARAMETERS[name].flag if name in HYPERPARAMETERS else "--" + name.replace("_", "-")
-
-
-def _flag_help(spec: Hyperparameter) -> str:
-    takers = sorted(method.name for method in MERGE_METHODS.values() if spec.name in method.defaults)
-    what = spec.doc if spec.choices is not None else f"{spec.doc}; {spec.meaning}"  # argparse lists the choices
-    return f"{what} (methods: {', '.join(takers) or 'none'})".replace("%", "%%")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", required=True, help=f"one of: {', '.join(sorted(MERGE_METHODS))}")
-    parser.add_argument("--base", type=Path, help="theta_0, the pretrained state dict (not needed by uniform, cart, ...)")
-    parser.add_argument("--models", type=Path, nargs="+", required=True,
-                        help="fine-tuned state dicts (.safetensors), or one `mima fit` run folder")
-    parser.add_argument("--output", type=Path, required=True, help="where to write the merged .safetensors")
-    parser.add_argument("--config", type=Path, help="a mima fit config or run folder: the tasks' model and data")
-    parser.add_argument("--select-on", choices=("val",), help="choose hyperparameters on the validation splits")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output (and its results) if they exist")
-    parser.add_argument("--allow-non-finite", action="store_true",
-                        help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
-                        "error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge --lam)")
-    hyper = parser.add_argument_group("hyperparameters (one flag per declaration in mima.merging.registry; "
-                                      "each method takes some, see its docstring)")
-    for spec in HYPERPARAMETERS.values():
-        hyper.add_argument(spec.flag, dest=spec.name, default=None, help=_flag_help(spec), **spec.argparse_options())
 
 
 def given_hyperparameters(options, method: MergeMethod) -> dict[str, object]:

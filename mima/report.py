@@ -327,12 +327,6 @@ def write_report(folder: Path, out: Path | None = None, overwrite: bool = False)
     return report_files
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", type=Path, help="a sweep folder (results.json, runs/) or a `mima fit` run folder")
-    parser.add_argument("--out", type=Path, help="where report.md and report.html go (default: the folder itself)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier report in --out")
-
-
 def main(options: argparse.Namespace) -> None:
     started = time.time()
     written = write_report(options.folder, options.out, options.overwrite)

@@ -5,7 +5,8 @@
     merging  <-  training                               (the phase-end operator, model.sync_merge, is a merge)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
-    analysis, then the commands (sweep, demo, report, merge_command, prefetch, the convert package), then the CLI
+    analysis, then the commands (sweep, demo, report, merge_command, prefetch, command_options, the convert package),
+    then the CLI
     nothing imports the CLI
 """
 
@@ -45,7 +46,8 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-COMMAND_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch"}
+COMMAND_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch",
+                   "mima.command_options"}
 # packages that belong to the commands layer whole: the package and every module in it
 COMMAND_PACKAGES = {"mima.convert"}
 

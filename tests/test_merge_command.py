@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from mima.cli import main
-from mima.merge_command import add_arguments, given_hyperparameters, report_results
+from mima.command_options import add_merge_arguments
+from mima.merge_command import given_hyperparameters, report_results
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
 from mima.merging.selection import Selection
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mima merge")
-    add_arguments(parser)
+    add_merge_arguments(parser)
     return parser
 
 

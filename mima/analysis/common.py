@@ -1,12 +1,12 @@
 """What the analysis commands share: their model and output options, and their output folders.
 
 Only the commands (`mima/analysis/<name>/command.py`) use this module; the computations take state
-dicts, pools and plain numbers, and the plots take the computations' results.
+dicts, pools and plain numbers, and the plots take the computations' results. The options they
+share are in mima.analysis.options (read before torch is imported).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import shutil
@@ -17,17 +17,6 @@ from pathlib import Path
 from mima.core.files import (publish_folder, refuse_overwrite, remove_folders, stage_folder, write_error,
                              write_json_atomic)
 from mima.core.run_folder import RunFolder, SweepFolder
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, nargs: str = "+") -> None:
-    parser.add_argument("models", type=Path, nargs=nargs, help="one `mima fit` run folder, or fine-tuned .safetensors files")
-    parser.add_argument("--base", type=Path, help="theta_0 (pretrained .safetensors); taken from the run folder if one is given")
-    parser.add_argument("--config", type=Path, help="a `mima fit` config or run folder defining the tasks (with .safetensors files)")
-
-
-def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--out", type=Path, help=f"output folder (default: RUN/analysis/{name}, or analysis/{name})")
-    parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
 
 
 class _Staged:

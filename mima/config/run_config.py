@@ -24,6 +24,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from mima.core.errors import MimaError
 from mima.config.model import ModelSettings
+from mima.config.source import check_config_source
 from mima.core.run_folder import RunFolder, read_config_mapping
 from mima.data.settings import DataSettings
 
@@ -94,8 +95,7 @@ def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfi
     if folder.path.is_dir():
         return parse_run_config(folder.config_dict(), str(folder.config_file))
     path = folder.path
-    if not path.is_file():
-        raise MimaError(f"--config {path}: no such file or run folder")
+    check_config_source(path)
     raw = read_config_mapping(path, f"--config {path}")
     return parse_run_config(raw, f"--config {path}")
 

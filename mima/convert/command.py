@@ -10,13 +10,12 @@
       open_clip image encoders <-> transformers CLIP vision towers (mima.convert.hf_conversion
       reads and converts, mima.convert.hf_writer writes the transformers folder).
 
-This module parses the options, refuses outputs that are inputs or exist (unless --overwrite)
-before any reading, and writes the result.
+This module checks the options (mima.convert.options declares them), refuses outputs that are
+inputs or exist (unless --overwrite) before any reading, and writes the result.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from mima.convert.hf_conversion import HF_CONFIG, HF_WEIGHTS, convert_from_hf_clip, convert_to_hf_clip, hf_checkpoint_files
@@ -25,37 +24,6 @@ from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite
 from mima.core.safetensors_io import save_state_dict
-from mima.models.hf_clip import ACTIVATIONS
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", type=Path,
-                        help="the checkpoint: a pickled .pt (default), a transformers CLIP folder or weights file "
-                        "(--from hf-clip), or an open_clip image-encoder .safetensors (--to hf-clip)")
-    parser.add_argument("output_positional", nargs="?", type=Path, metavar="OUTPUT", help="the file to write (or --output)")
-    parser.add_argument("--output", "-o", type=Path,
-                        help="the file to write; with --to hf-clip a folder (config.json + model.safetensors) unless "
-                        "it ends in .safetensors")
-    parser.add_argument("--from", dest="source_format", choices=("pickle", "hf-clip"), default=None,
-                        help="pickle: a pickled module checkpoint (the default); hf-clip: a transformers CLIPModel, "
-                        "CLIPVisionModelWithProjection or CLIPVisionModel (a save_pretrained folder or its weights file)")
-    parser.add_argument("--to", dest="target_format", choices=("hf-clip",), default=None,
-                        help="hf-clip: write a transformers CLIPVisionModelWithProjection from an open_clip image encoder")
-    parser.add_argument("--prefix", default=None,
-                        help="pickle only: keep the keys under this prefix, without it (default: model.visual., an "
-                        "ImageEncoder's image tower); '' keeps every key")
-    parser.add_argument("--arch", default=None,
-                        help="hf-clip: the open_clip architecture (default: the one of ViT-B-32, ViT-B-16, ViT-L-14, "
-                        "ViT-L-14-336 whose shapes the weights have); checked against the weights")
-    parser.add_argument("--projection-from", type=Path, default=None,
-                        help="--from hf-clip of a CLIPVisionModel (no visual_projection, as FusionBench's task models): "
-                        "the pretrained CLIP whose projection to use (a transformers folder or file, or an open_clip "
-                        ".safetensors)")
-    parser.add_argument("--activation", choices=ACTIVATIONS, default=None,
-                        help="hf-clip: the MLP activation the weights were trained with (quick_gelu for OpenAI's CLIP "
-                        "and FusionBench's models); needed by --to hf-clip unless --arch is a -quickgelu one; "
-                        "--from hf-clip takes it from config.json")
-    parser.add_argument("--overwrite", action="store_true", help="replace the output if it exists (never an input)")
 
 
 def _output_of(options) -> Path:

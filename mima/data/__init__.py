@@ -1,6 +1,3 @@
-"""Tasks, suites and the MIMA batch schedule."""
-
-from mima.data.registry import resolve_tasks, suite_names, task_names
-from mima.data.tasks import TaskData, TaskSpec
-
-__all__ = ["TaskData", "TaskSpec", "resolve_tasks", "suite_names", "task_names"]
+"""Tasks, suites and the MIMA batch schedule (mima.data.registry: tasks and suites by name;
+mima.data.tasks: TaskSpec, TaskData). The package imports nothing itself, so that the command line
+can read mima.data.benchmarks before torch is loaded."""

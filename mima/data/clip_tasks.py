@@ -1,6 +1,6 @@
 """The `clip` suite: the image-classification tasks of the CLIP model-merging benchmark.
 
-BENCHMARKS names the task lists of the papers: "8" (task_vectors, TIES, CART, MIMA: Cars, DTD,
+BENCHMARKS (mima.data.benchmarks) names the task lists of the papers: "8" (task_vectors, TIES, CART, MIMA: Cars, DTD,
 EuroSAT, GTSRB, MNIST, RESISC45, SUN397, SVHN), "14" and "20" (TALL masks / Consensus merging).
 The suite's default task list is the 8-task benchmark.
 
@@ -69,6 +69,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from mima.data import clip_text as text
+from mima.data.benchmarks import BENCHMARKS
 from mima.data.image_folder import (
     ImageFiles,
     class_folders,
@@ -80,11 +81,6 @@ from mima.data.image_folder import (
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.core.errors import MimaError
 
-BENCHMARKS: dict[str, tuple[str, ...]] = {
-    "8": ("Cars", "DTD", "EuroSAT", "GTSRB", "MNIST", "RESISC45", "SUN397", "SVHN"),
-}
-BENCHMARKS["14"] = BENCHMARKS["8"] + ("STL10", "OxfordIIITPet", "Flowers102", "CIFAR100", "PCAM", "FER2013")
-BENCHMARKS["20"] = BENCHMARKS["14"] + ("CIFAR10", "Food101", "FashionMNIST", "RenderedSST2", "EMNIST", "KMNIST")
 DEFAULT_TASKS = BENCHMARKS["8"]
 
 # (train, validation or None to carve one, test), each yielding (image tensor, int label)

@@ -7,36 +7,26 @@
 
 Modules here import only mima.core and mima.merging; data-dependent strategies are given a task pool
 (mima.pools.TaskPool, or any object of the shape mima.merging.pool.Pool).
+
+Importing the package itself imports nothing: the command line reads mima.merging.catalogue (names
+and hyperparameters, no torch) to build its help. The names below load the registry and every
+strategy (mima.merging.registry.load_strategies) when first used.
 """
 
-from mima.merging import (  # noqa: F401  (registration)
-    ace,
-    adamerging,
-    breadcrumbs,
-    cart,
-    cart_indexing,
-    consensus,
-    dare,
-    della,
-    emr,
-    fisher,
-    fw_merging,
-    iso_c,
-    iso_cts,
-    lines,
-    magmax,
-    model_stock,
-    regmean,
-    regmean_plus_plus,
-    svc,
-    tall,
-    task_arithmetic,
-    ties,
-    tsv,
-    uniform,
-    wudi,
-)
-from mima.merging.pool import Pool
-from mima.merging.registry import HYPERPARAMETERS, MERGE_METHODS, Hyperparameter, MergeMethod, MergeOutput, get_method
+from __future__ import annotations
 
-__all__ = ["HYPERPARAMETERS", "MERGE_METHODS", "Hyperparameter", "MergeMethod", "MergeOutput", "Pool", "get_method"]
+import importlib
+
+_REGISTRY_NAMES = ("HYPERPARAMETERS", "MERGE_METHODS", "Hyperparameter", "MergeMethod", "MergeOutput", "get_method")
+
+__all__ = [*_REGISTRY_NAMES, "Pool"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Pool":
+        return importlib.import_module("mima.merging.pool").Pool
+    if name in _REGISTRY_NAMES:
+        registry = importlib.import_module("mima.merging.registry")
+        registry.load_strategies()
+        return getattr(registry, name)
+    raise AttributeError(f"module 'mima.merging' has no attribute {name!r}")

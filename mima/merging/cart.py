@@ -34,12 +34,9 @@ import torch
 from mima.core.errors import MimaError
 from mima.core.linalg import low_rank, svd
 from mima.merging.common import check_matrix_keys, is_matrix_key, mean_tensor, some_keys, tensor_headers, two_d_keys
+from mima.merging.catalogue import DEFAULT_MATRIX_KEYS
 from mima.merging.registry import MergeMethod, register
 
-# The default of `matrix_keys`: the official rule (`cart_matrix_key`) written as a pattern, for the
-# places that take a pattern (the rank sweep's --matrix-keys). `is_matrix` applies the rule itself
-# when given this value; `test_merge_cart.py` checks that both agree.
-DEFAULT_MATRIX_KEYS = r"^(?=[\s\S]*(?:attn|mlp))(?![\s\S]*(?:ln|bias))"
 RULE = "2-D tensors whose key contains 'attn' or 'mlp' and neither 'ln' nor 'bias'"
 
 

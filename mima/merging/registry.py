@@ -21,8 +21,9 @@ Every entry point (MergeMethod.stream, merge, sweep, and `mima merge` through th
 the method's `check`: theta_0 when needed, enough task models, `min_tasks` and `matrix_keys` that fit
 the inputs, NaN/Inf refused unless allowed; Python and the command line refuse alike, in one line.
 
-Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type),
-and a strategy lists the ones it takes with their defaults. A strategy whose hyperparameters depend
+Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type; in
+mima.merging.catalogue, which the command line reads without importing torch), and a strategy lists
+the ones it takes with their defaults (the catalogue lists their names too; `register` checks both agree). A strategy whose hyperparameters depend
 on a setting (FW-Merging's mode) says which it uses for given values (`uses`); a value given for a
 hyperparameter the setting does not use is an error, never silently ignored.
 """
@@ -30,9 +31,8 @@ hyperparameter the setting does not use is an error, never silently ignored.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
-import math
-import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,177 +40,13 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.state_dicts import is_mergeable
+from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter, check_method_name  # noqa: F401  (Hyperparameter: re-exported)
 from mima.merging.common import check_matrix_keys, linalg_errors_as_refusals, refusing_linalg_errors, refusing_non_finite
 
 TensorMap = Mapping[str, torch.Tensor]
 StateDict = dict[str, torch.Tensor]
 Item = tuple[str, torch.Tensor]
 ScaledItem = tuple[str, torch.Tensor, "torch.Tensor | None"]
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _regex(value) -> bool:
-    if not isinstance(value, str):
-        return False
-    try:
-        re.compile(value)
-    except re.error:
-        return False
-    return True
-
-
-def _registered_name(value) -> bool:
-    # read at call time: the registry below is filled as the strategies' modules are imported
-    return isinstance(value, str) and value in MERGE_METHODS
-
-
-# one `name=value` pair of a nested setting (SVC's inner_hparams); the value may hold spaces (many values)
-_PAIR = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_-]*\s*=\s*[^,=\s][^,=]*")
-
-
-def _name_value_pairs(value) -> bool:
-    """'' or 'name=value,name=value' (the syntax only: the names and values are checked against the
-    method they configure), or a mapping from names to values (the Python API)."""
-    if isinstance(value, Mapping):
-        return all(isinstance(name, str) for name in value)
-    if not isinstance(value, str):
-        return False
-    return value.strip() == "" or all(_PAIR.fullmatch(pair) for pair in value.split(","))
-
-
-def _non_negative_or_per_task(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return len(value) > 0 and all(_finite(x) and x >= 0 for x in value)
-    return _finite(value) and value >= 0
-
-
-@dataclass(frozen=True)
-class Hyperparameter:
-    """One hyperparameter, declared once: its check, what it must be, what it does, and how the
-    command line reads it (`mima merge` makes one flag per declaration)."""
-
-    name: str
-    meaning: str  # what a valid value is; completes "<name> must be ..."
-    doc: str  # what it controls
-    check: Callable[[object], bool] | None = None  # None: one of `choices`
-    type: Callable[[str], object] = str  # how a command-line word becomes a value
-    choices: tuple[str, ...] | None = None
-    many: bool = False  # the flag takes one or more values; a single one is given as that value
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def accepts(self, value: object) -> bool:
-        if self.check is not None:
-            return bool(self.check(value))
-        return value in self.choices
-
-    def argparse_options(self) -> dict[str, object]:
-        """Keyword arguments of argparse's add_argument for this hyperparameter's flag."""
-        options: dict[str, object] = {"type": self.type}
-        if self.choices is not None:
-            options["choices"] = self.choices
-        if self.many:
-            options["nargs"] = "+"
-        return options
-
-    def from_command_line(self, value: object) -> object:
-        """The parsed flag as the strategy takes it (several values as a list, one as itself)."""
-        if self.many and isinstance(value, list):
-            return value[0] if len(value) == 1 else list(value)
-        return value
-
-
-def _choice(name: str, choices: tuple[str, ...], doc: str) -> Hyperparameter:
-    quoted = [repr(c) for c in choices]
-    meaning = ", ".join(quoted[:-1]) + " or " + quoted[-1]
-    return Hyperparameter(name, meaning, doc, choices=choices)
-
-
-# Every hyperparameter any strategy takes. The strategies, `MergeMethod.hyperparameters` and the
-# command line all read this one table, so they accept and reject the same values with the same words.
-HYPERPARAMETERS: dict[str, Hyperparameter] = {
-    spec.name: spec
-    for spec in (
-        Hyperparameter("lam", "a finite number", "scaling coefficient lambda of the merged task vector "
-                       "(FW-Merging hard: of each step and of the task-arithmetic start)", _finite, float),
-        Hyperparameter("k", "a percentage of entries kept, in (0, 100]", "TIES: share of each task vector kept by the trim",
-                       lambda v: _finite(v) and 0 < v <= 100, float),
-        Hyperparameter("rank_ratio", "a fraction of the rank, in [0, 1]", "CART: share of each matrix's rank kept",
-                       lambda v: _finite(v) and 0 <= v <= 1, float),
-        Hyperparameter("common_space_fraction", "a fraction of the rank, in [0, 1]",
-                       "Iso-CTS: share of each matrix's rank given to the common subspace (the rest is split among the tasks)",
-                       lambda v: _finite(v) and 0 <= v <= 1, float),
-        Hyperparameter("drop", "a drop probability, in [0, 1)", "DARE: probability p of dropping a task-vector entry",
-                       lambda v: _finite(v) and 0 <= v < 1, float),
-        Hyperparameter("density", "a fraction of entries kept, in (0, 1]", "Breadcrumbs: share of each row kept below the top gamma",
-                       lambda v: _finite(v) and 0 < v <= 1, float),
-        Hyperparameter("gamma", "a fraction of the largest entries removed, in [0, 1)",
-                       "Breadcrumbs: share of each row's largest entries removed", lambda v: _finite(v) and 0 <= v < 1, float),
-        Hyperparameter("seed", "an integer", "seed of the random drop masks", _whole, int),
-        _choice("trim", ("global", "per-tensor"), "TIES: trim over the whole task vector or each tensor"),
-        Hyperparameter("matrix_keys", "a regular expression", "which 2-D tensors get the matrix (low-rank) treatment",
-                       _regex, str),
-        Hyperparameter("mask_lam", "a non-negative number (or one per task)", "TALL mask threshold lambda_t",
-                       _non_negative_or_per_task, float, many=True),
-        Hyperparameter("min_tasks", "a whole number of tasks, at least 1", "consensus: how many task masks must select an entry",
-                       lambda v: _whole(v) and v >= 1, int),
-        Hyperparameter("alpha", "a number in [0, 1]", "RegMean: scale of the Gram matrices' off-diagonal entries",
-                       lambda v: _finite(v) and 0 <= v <= 1, float),
-        Hyperparameter("steps", "a positive whole number of steps", "AdaMerging: Adam steps",
-                       lambda v: _whole(v) and v >= 1, int),
-        Hyperparameter("lr", "a positive number", "learning rate (Adam) of the AdaMerging coefficients", lambda v: _finite(v) and v > 0, float),
-        _choice("granularity", ("task", "layer"), "AdaMerging: one coefficient per task, or per task and tensor"),
-        Hyperparameter("iterations", "a positive whole number", "FW-Merging: Frank-Wolfe iterations",
-                       lambda v: _whole(v) and v >= 1, int),
-        _choice("mode", ("hard", "soft"), "FW-Merging: one vertex and a fixed step, or AdaMerging over T vertices"),
-        Hyperparameter("prior", "a finite number", "AdaMerging: initial value of the coefficients", _finite, float),
-        Hyperparameter("examples", "a positive whole number of examples", "calibration examples per task (train split)",
-                       lambda v: _whole(v) and v >= 1, int),
-        _choice("adapt_on", ("test", "val", "train"), "AdaMerging: split whose unlabelled inputs it adapts on"),
-        _choice("start", ("pretrained", "task_arithmetic", "adamerging"), "FW-Merging hard: the initial merge"),
-        Hyperparameter("step_size", "a positive number", "FW-Merging hard: step size, times 2 / (t + 2) and lam",
-                       lambda v: _finite(v) and v > 0, float),
-        Hyperparameter("ada_steps", "a positive whole number of steps", "FW-Merging: Adam steps of each AdaMerging run",
-                       lambda v: _whole(v) and v >= 1, int),
-        _choice("base_merge", ("task_arithmetic", "ties", "consensus"),
-                "LiNeS: the merge whose task vector is scaled layer by layer (run at its own defaults)"),
-        Hyperparameter("lines_alpha", "'auto' or a finite number",
-                       "LiNeS: scale of the first block and of every tensor outside the blocks; 'auto' = "
-                       "||sum_t tau_t||_1 / (T ||merged tau||_1), the reference's multi-task rule",
-                       lambda v: v == "auto" or _finite(v), lambda word: word if word == "auto" else float(word)),
-        Hyperparameter("lines_beta", "a finite number", "LiNeS: scale added from the first block to the last",
-                       _finite, float),
-        Hyperparameter("block_keys", "a regular expression with a group that captures the block index",
-                       "LiNeS, RegMean++: the tensors of residual block <index> (blocks in depth order)",
-                       lambda v: _regex(v) and re.compile(v).groups >= 1, str),
-        Hyperparameter("epsilon", "a number in [0, 0.5)",
-                       "DELLA: half-width of the keep probabilities, density - epsilon (smallest magnitude of a row) "
-                       "to density + epsilon (largest)", lambda v: _finite(v) and 0 <= v < 0.5, float),
-        Hyperparameter("ace_epsilon", "a non-negative number",
-                       "ACE-Merging: ridge eps added to each task's estimated covariance (divided by its trace in "
-                       "heterogeneous layers)", lambda v: _finite(v) and v >= 0, float),
-        Hyperparameter("ace_rank_fraction", "a fraction of the rank, in [0, 1]",
-                       "ACE-Merging: share of the spectrum whose mean singular value makes the isotropic refinement "
-                       "of heterogeneous layers", lambda v: _finite(v) and 0 <= v <= 1, float),
-        Hyperparameter("inner_merge", "the name of a registered merge method",
-                       "SVC: the data-free merge whose result is calibrated", _registered_name, str),
-        Hyperparameter("inner_hparams", "'' or comma-separated name=value pairs (e.g. 'lam=0.3,k=20')",
-                       "SVC: hyperparameters of the inner merge (the others at its defaults); a many-valued one "
-                       "takes its values separated by spaces", _name_value_pairs, str),
-        Hyperparameter("svc_alpha", "a positive number",
-                       "SVC: floor alpha of each task's projection coefficient; singular value r is divided by "
-                       "mean_t max(alpha, c_r^t)", lambda v: _finite(v) and v > 0, float),
-    )
-}
 
 
 @dataclass
@@ -450,13 +286,39 @@ def register(method: MergeMethod) -> MergeMethod:
             raise ValueError(f"merge method {method.name}: grid of {name} is not a list of its valid values")
     if method.uses is not None and not set(method.uses(method.defaults)) <= set(method.defaults):
         raise ValueError(f"merge method {method.name}: uses() names hyperparameters it does not take")
+    listed = STRATEGIES.get(method.name)
+    if listed is None or listed.hyperparameters != tuple(method.defaults):
+        raise ValueError(f"merge method {method.name}: mima.merging.catalogue.STRATEGIES must list it with the "
+                         f"hyperparameters {tuple(method.defaults)} (it lists {listed})")
     MERGE_METHODS[method.name] = method
     return method
 
 
+_load_state = {"loaded": False, "loading": False}
+
+
+def load_strategies() -> None:
+    """Import the module of every strategy in the catalogue (each registers its strategies here), then
+    check that each name in the catalogue was registered. The package's names (`from mima.merging
+    import get_method`) and `get_method` call it; importing one strategy's module loads only that one."""
+    if _load_state["loaded"] or _load_state["loading"]:  # a strategy's module may look another up as it loads
+        return
+    _load_state["loading"] = True
+    try:
+        for module in dict.fromkeys(strategy.module for strategy in STRATEGIES.values()):
+            importlib.import_module(f"mima.merging.{module}")
+    finally:
+        _load_state["loading"] = False
+    missing = sorted(set(STRATEGIES) - set(MERGE_METHODS))
+    if missing:
+        raise ValueError(f"mima.merging.catalogue.STRATEGIES lists {missing[0]}, which its module "
+                         f"mima.merging.{STRATEGIES[missing[0]].module} does not register")
+    _load_state["loaded"] = True
+
+
 def get_method(name: str) -> MergeMethod:
-    if name not in MERGE_METHODS:
-        raise MimaError(f"unknown merge method '{name}' (known: {', '.join(sorted(MERGE_METHODS))})")
+    check_method_name(name)
+    load_strategies()
     return MERGE_METHODS[name]
 
 

@@ -296,13 +296,14 @@ def resolve_run_dir(out: str | None, config: Mapping[str, Any]) -> Path:
         raise MimaError(f"--out {out}: only {{config}}, {{iterations}} and {{seed}} can be filled in ({exc})") from None
 
 
-def build_cli(args: list[str] | dict | None) -> MimaCLI:
-    """Parse a `mima fit` command line (or a config dict) and instantiate module, data and trainer."""
+def build_cli(args: list[str] | dict | None, cli_class: type[MimaCLI] | None = None) -> MimaCLI:
+    """Parse a `mima fit` command line (or a config dict) and instantiate module, data and trainer
+    (`cli_class` _ParsedOnly: parse and check the options only)."""
     # Lightning 2.6 still calls jsonargparse APIs deprecated in 4.49; the warnings are not the user's concern.
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     _quiet_lightning_notes()
     try:
-        return MimaCLI(
+        return (cli_class or MimaCLI)(
             MimaModule,
             TaskSuiteDataModule,
             run=False,
@@ -320,6 +321,19 @@ def build_cli(args: list[str] | dict | None) -> MimaCLI:
         if isinstance(cause, MimaError):
             raise cause from None
         raise MimaError(f"config: {config_error_text(exc)}") from None
+
+
+class _ParsedOnly(MimaCLI):
+    """A `mima fit` command line parsed and its types checked against the module's, the data's and the
+    Trainer's signatures, with nothing built (no run folder, no model, no Trainer)."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_fit(args: list[str]):
+    """The parsed options of a `mima fit` command line, without running it (mima.cli.parse)."""
+    return build_cli(args, _ParsedOnly).config
 
 
 def _quiet_lightning_notes() -> None:

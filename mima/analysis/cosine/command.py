@@ -13,10 +13,9 @@ from pathlib import Path
 
 from mima.analysis.common import output_folder, write_json
 from mima.analysis.cosine.compute import RunCosines, check_runs, cosine_table, run_cosines
+from mima.analysis.cosine.options import NAME
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder, SweepFolder
-
-NAME = "cosine"
 
 
 def read_run(path: Path) -> RunCosines:
@@ -84,12 +83,6 @@ def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = Fa
     print(f"Wrote {folder} in {result['seconds']:.1f} s")
     result["folder"] = str(folder)
     return result
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", type=Path, nargs="+", help="`mima fit` run folders, or a sweep folder (its runs/*)")
-    parser.add_argument("--out", type=Path, help="output folder (default: RUN/analysis/cosine for one folder given)")
-    parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
 
 
 def main(options: argparse.Namespace) -> None:

@@ -37,12 +37,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from mima.analysis.ctl.options import DEFAULT_ALPHAS, OUTPUT, PAPER_LAMBDA
 from mima.core.errors import MimaError
 from mima.core.state_dicts import is_mergeable
 
-OUTPUT = "output"  # layer name standing for the whole model's output (the tower's embedding)
-DEFAULT_ALPHAS = (0.25, 0.5, 0.75)
-PAPER_LAMBDA = 0.4
 StateDict = dict[str, torch.Tensor]
 
 # Where the blocks of the towers open_clip builds live: its own ViT, then timm trunks (ViT, MobileNet,

@@ -14,13 +14,12 @@ import torch
 
 from mima.analysis.common import output_folder, write_json
 from mima.analysis.gradients.compute import (
-    DEFAULT_LR,
-    NAME,
     GradientSettings,
     StateDict,
     analyse_gradients,
     snapshot,
 )
+from mima.analysis.gradients.options import DEFAULT_LR, NAME
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
@@ -28,26 +27,6 @@ from mima.pools import task_pool
 
 JSON_FILE = f"{NAME}.json"
 FIGURE_FILE = f"{NAME}.png"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "run", type=Path, metavar="RUN",
-        help="a `mima fit` run folder (theta_0 = its pretrained.safetensors) or a fit config file (theta_0 = its model); "
-        "only theta_0, the tasks and their data are used",
-    )
-    parser.add_argument("--tasks", nargs="+", help="tasks to fine-tune (default: all the run's tasks)")
-    parser.add_argument("--epochs", type=int, default=5, help="E, epochs of fine-tuning per task (default: 5)")
-    parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default="sgd",
-                        help="sgd (plain: the epoch's update is exactly -lr * g_k; default) or adamw")
-    parser.add_argument("--lr", type=float, help=f"learning rate (default: {DEFAULT_LR['sgd']} for sgd, {DEFAULT_LR['adamw']} for adamw)")
-    parser.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default: 0.1; not allowed with sgd)")
-    parser.add_argument("--batch-size", type=int, default=64, help="minibatch size (default: 64)")
-    parser.add_argument("--train-examples", type=int, help="use at most this many training images per task (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the training subset and the shuffling (default: 0)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--out", type=Path, help=f"output folder (default: RUN/analysis/{NAME} for a run folder, else analysis/{NAME})")
-    parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
 
 
 def settings_from_options(options: argparse.Namespace) -> GradientSettings:

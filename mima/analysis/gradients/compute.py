@@ -34,15 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from mima.analysis.gradients.options import DEFAULT_LR, NAME
 from mima.core.errors import MimaError
 from mima.core.subsets import fixed_subset
 from mima.models.batchnorm import train_with_frozen_batchnorm
 from mima.models.classifier import classify
 
-NAME = "gradients"
 StateDict = dict[str, torch.Tensor]
 Optimizer = Literal["sgd", "adamw"]
-DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adamw": 1e-3}
 
 
 # ------------------------------------------------------------------------------ settings

@@ -14,36 +14,19 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from mima.analysis.common import add_model_arguments, add_output_arguments, output_folder, write_json
+from mima.analysis.common import output_folder, write_json
 from mima.analysis.landscape.compute import (
-    DEFAULT_MERGES,
     Landscape,
     compute_landscape,
     data_free_method,
     error_function,
     merged_models,
 )
+from mima.analysis.landscape.options import NAME
 from mima.core.errors import MimaError
 from mima.pools import ModelPool, model_pool
 
-NAME = "landscape"
 FILES = ("landscape.json", "landscape.png")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    parser.add_argument("--tasks", nargs=2, required=True, metavar=("A", "B"),
-                        help="the two tasks whose task vectors span the plane")
-    parser.add_argument("--resolution", type=int, default=11, help="grid points per axis (default 11)")
-    parser.add_argument("--margin", type=float, default=0.2,
-                        help="widen the marked points' bounding box by this fraction of its size on each side (default 0.2)")
-    parser.add_argument("--examples", type=int, default=200,
-                        help="test examples per task, a fixed subset (default 200)")
-    parser.add_argument("--merges", nargs="*", default=list(DEFAULT_MERGES),
-                        help="data-free merges of all task models to mark (default: uniform task_arithmetic)")
-    parser.add_argument("--lam", type=float, default=None,
-                        help="lambda for the marked merges that take one (default: each merge's own default)")
-    add_output_arguments(parser, NAME)
 
 
 def _check_options(options: argparse.Namespace) -> None:

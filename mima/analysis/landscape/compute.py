@@ -30,7 +30,6 @@ from mima.core.errors import MimaError
 from mima.core.state_dicts import check_compatible, is_mergeable
 from mima.core.subsets import fixed_subset
 
-DEFAULT_MERGES = ("uniform", "task_arithmetic")
 
 StateDict = dict[str, torch.Tensor]
 TensorMap = Mapping[str, torch.Tensor]

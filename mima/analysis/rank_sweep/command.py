@@ -12,11 +12,8 @@ import time
 
 import torch
 
-from mima.analysis.common import add_model_arguments, add_output_arguments, output_folder, write_json
+from mima.analysis.common import output_folder, write_json
 from mima.analysis.rank_sweep.compute import (
-    DEFAULT_LAM_CART,
-    DEFAULT_LAM_TA,
-    DEFAULT_RATIOS,
     PAPER,
     AccuracyCurve,
     Sweep,
@@ -25,30 +22,14 @@ from mima.analysis.rank_sweep.compute import (
     mean_relative,
     rank_sweep,
 )
+from mima.analysis.rank_sweep.options import NAME
 from mima.core.errors import MimaError
 from mima.core.state_dicts import check_compatible
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
+from mima.merging.cart import cart_rank, is_matrix
 from mima.pools import ModelPool, model_pool
 
-NAME = "rank-sweep"
 FILES = ("rank-sweep.json", "rank-sweep.png", "rank-sweep_layers.png")
 LAM_OPTION = {"centered": "lam_cart", "original": "lam_ta"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    parser.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS),
-                        help="kept-rank ratios in [0, 1] for the accuracy curve (default: %(default)s)")
-    parser.add_argument("--ranks", type=int, nargs="+",
-                        help="ranks k for I(k) and R(k) (default: every rank from 0 to full)")
-    parser.add_argument("--lam-cart", type=float, default=DEFAULT_LAM_CART, help="lam of the centered merges (default: 1.0)")
-    parser.add_argument("--lam-ta", type=float, default=DEFAULT_LAM_TA,
-                        help="lam of the original-task-vector merges (default: 0.3, the top of paper 000's grid)")
-    parser.add_argument("--split", choices=("test", "val"), default="test", help="data split for accuracy (default: test)")
-    parser.add_argument("--matrix-keys", default=DEFAULT_MATRIX_KEYS,
-                        help="regular expression of the 2-D weights that get low rank (default: attention and MLP weights)")
-    parser.add_argument("--no-accuracy", action="store_true", help="only I(k) and R(k): no data, no config needed")
-    add_output_arguments(parser, NAME)
 
 
 def _check_options(options: argparse.Namespace) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mima.analysis.rank_sweep.options import DEFAULT_LAM_CART, DEFAULT_LAM_TA, DEFAULT_RATIOS
 from mima.core.linalg import SVD, svd
 from mima.core.state_dicts import accumulator
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank, is_matrix
@@ -49,9 +50,6 @@ StateDict = dict[str, torch.Tensor]
 Spectrum = list[SVD]  # one SVD per task, of that task's vector for one matrix
 
 PAPER = "https://arxiv.org/abs/2412.12153"
-DEFAULT_RATIOS = (0.0, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0)
-DEFAULT_LAM_CART = 1.0
-DEFAULT_LAM_TA = 0.3
 KINDS = ("centered", "original")
 
 

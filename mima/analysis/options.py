@@ -1,0 +1,18 @@
+"""The options the analysis commands share (their model and output options). Imports nothing heavy:
+`mima analyze NAME --help` and argument errors answer before torch is loaded."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, nargs: str = "+") -> None:
+    parser.add_argument("models", type=Path, nargs=nargs, help="one `mima fit` run folder, or fine-tuned .safetensors files")
+    parser.add_argument("--base", type=Path, help="theta_0 (pretrained .safetensors); taken from the run folder if one is given")
+    parser.add_argument("--config", type=Path, help="a `mima fit` config or run folder defining the tasks (with .safetensors files)")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--out", type=Path, help=f"output folder (default: RUN/analysis/{name}, or analysis/{name})")
+    parser.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")

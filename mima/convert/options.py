@@ -1,0 +1,41 @@
+"""`mima convert`'s options. Imports nothing heavy, so that the help and argument errors answer before
+torch is loaded; mima.convert.command checks and runs them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# The MLP activations of open_clip's ViT, as mima.models.hf_clip.ACTIVATIONS names them (that module
+# imports torch; tests/test_cli_startup.py checks both lists agree).
+ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", type=Path,
+                        help="the checkpoint: a pickled .pt (default), a transformers CLIP folder or weights file "
+                        "(--from hf-clip), or an open_clip image-encoder .safetensors (--to hf-clip)")
+    parser.add_argument("output_positional", nargs="?", type=Path, metavar="OUTPUT", help="the file to write (or --output)")
+    parser.add_argument("--output", "-o", type=Path,
+                        help="the file to write; with --to hf-clip a folder (config.json + model.safetensors) unless "
+                        "it ends in .safetensors")
+    parser.add_argument("--from", dest="source_format", choices=("pickle", "hf-clip"), default=None,
+                        help="pickle: a pickled module checkpoint (the default); hf-clip: a transformers CLIPModel, "
+                        "CLIPVisionModelWithProjection or CLIPVisionModel (a save_pretrained folder or its weights file)")
+    parser.add_argument("--to", dest="target_format", choices=("hf-clip",), default=None,
+                        help="hf-clip: write a transformers CLIPVisionModelWithProjection from an open_clip image encoder")
+    parser.add_argument("--prefix", default=None,
+                        help="pickle only: keep the keys under this prefix, without it (default: model.visual., an "
+                        "ImageEncoder's image tower); '' keeps every key")
+    parser.add_argument("--arch", default=None,
+                        help="hf-clip: the open_clip architecture (default: the one of ViT-B-32, ViT-B-16, ViT-L-14, "
+                        "ViT-L-14-336 whose shapes the weights have); checked against the weights")
+    parser.add_argument("--projection-from", type=Path, default=None,
+                        help="--from hf-clip of a CLIPVisionModel (no visual_projection, as FusionBench's task models): "
+                        "the pretrained CLIP whose projection to use (a transformers folder or file, or an open_clip "
+                        ".safetensors)")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default=None,
+                        help="hf-clip: the MLP activation the weights were trained with (quick_gelu for OpenAI's CLIP "
+                        "and FusionBench's models); needed by --to hf-clip unless --arch is a -quickgelu one; "
+                        "--from hf-clip takes it from config.json")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output if it exists (never an input)")
