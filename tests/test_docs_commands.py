@@ -49,7 +49,8 @@ FIT_STAND_IN_CONFIG = "configs/demo.yaml"
 SKIPPED: dict[str, str] = {}
 
 _LAUNCHERS = {"srun", "python", "python3", "-m", "time", "nice", "exec", "do", "then", "env"}
-_SHELL_BREAKS = {"&&", "||", ";", "|", ">", ">>", "<", "&", ";;"}
+_SHELL_BREAKS = {"&&", "||", ";", "|", ">", ">>", ">&", "&>", "<", "&", ";;"}
+_OPTION = r"--?[A-Za-z][\w.-]*"
 _ALTERNATIVE = "\x00"  # stands for a bar between two words while the shell syntax is split
 
 
@@ -171,7 +172,17 @@ def _is_reference(command: str, rest: list[str]) -> bool:
 
 
 def _options_written(rest: list[str]) -> list[str]:
-    return [word.split("=", 1)[0] for word in rest if re.fullmatch(r"--?[A-Za-z][\w.-]*(=.*)?", word)]
+    return [word.split("=", 1)[0] for word in rest if re.fullmatch(rf"{_OPTION}(=.*)?", word)]
+
+
+def listed_options(help_text: str) -> frozenset[str]:
+    """The options a --help lists: the option strings that start its lines (`  -o, --output OUTPUT  ...`)."""
+    options: set[str] = set()
+    for line in help_text.splitlines():
+        if re.match(r" {1,4}-", line):  # not a wrapped description line (indented far)
+            head = re.split(r"\s{2,}", line.strip())[0]  # the option strings, before the description
+            options.update(re.findall(rf"(?<![\w.-]){_OPTION}", head))
+    return frozenset(options)
 
 
 @cache
@@ -181,7 +192,7 @@ def _help_options(command: str, subcommand: str | None) -> frozenset[str]:
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
         parse(command, argv)
-    return frozenset(re.findall(r"(?<![\w.-])(--?[A-Za-z][\w.-]*)", shown.getvalue()))
+    return listed_options(shown.getvalue())
 
 
 def _fragment_error(message: str, rest: list[str]) -> bool:
@@ -295,7 +306,7 @@ def test_every_documented_fit_command_parses():
                             text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(result.stdout.splitlines()[-1])
-    known = frozenset(re.findall(r"(?<![\w.-])(--?[A-Za-z][\w.-]*)", answer["help"]))
+    known = listed_options(answer["help"])
     assert "--model.iterations" in known and "--trainer.devices" in known
 
     def problem(example: Example, words: list[str], error: str | None) -> str | None:
