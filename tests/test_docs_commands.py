@@ -48,7 +48,8 @@ FIT_STAND_IN_CONFIG = "configs/demo.yaml"
 # text of a line or span -> why it is not checked (each must still be found, so that none goes stale)
 SKIPPED: dict[str, str] = {}
 
-_LAUNCHERS = {"srun", "python", "python3", "-m", "time", "nice", "exec", "do", "then", "env"}
+# commands that run the command after them (with options of their own)
+_LAUNCHERS = {"srun", "python", "python3", "time", "nice", "exec", "do", "then", "env"}
 _SHELL_BREAKS = {"&&", "||", ";", "|", ">", ">>", ">&", "&>", "<", "&", ";;"}
 _OPTION = r"--?[A-Za-z][\w.-]*"
 _ALTERNATIVE = "\x00"  # stands for a bar between two words while the shell syntax is split
@@ -77,6 +78,9 @@ def _code_pieces(path: Path) -> list[tuple[int, str, bool]]:
         marker = re.match(r"\s*(```|~~~)", line)
         if marker and (fence is None or marker.group(1) == fence):
             fence = marker.group(1) if fence is None else None
+            if pending:  # a block's last line ended in a backslash
+                pieces.append((pending_line, pending, True))
+                pending = ""
             prose.append((number, ""))
             continue
         if fence is None:
@@ -119,9 +123,8 @@ def _mima_words(segment: list[str]) -> list[str] | None:
     """The words after `mima` when the segment runs mima (possibly through a launcher), else None."""
     for index, word in enumerate(segment):
         if word == "mima" or word.endswith("/mima"):
-            before = segment[:index]
-            launched = all(w in _LAUNCHERS or w.startswith("-") or re.fullmatch(r"\w+=\S*", w)
-                           or w.endswith(("/python", "/python3")) for w in before)
+            before = [w for w in segment[:index] if not re.fullmatch(r"\w+=\S*", w)]  # VAR=value words
+            launched = not before or before[0] in _LAUNCHERS or before[0].endswith(("/python", "/python3"))
             return segment[index + 1:] if launched else None
     return None
 
@@ -135,20 +138,22 @@ def _applied_conventions(words: list[str]) -> list[list[str]]:
     return [list(choice) for choice in itertools.product(*choices)]
 
 
-def examples() -> list[Example]:
+def examples_in(path: Path, name: str) -> list[Example]:
     found: list[Example] = []
-    for path in documentation_files():
-        for line, text, fenced in _code_pieces(path):
-            if text.strip() in SKIPPED or not re.search(r"(^|[\s/])mima(\s|$)", text):
+    for line, text, fenced in _code_pieces(path):
+        if text.strip() in SKIPPED or not re.search(r"(^|[\s/])mima(\s|$)", text):
+            continue
+        for segment in _words(text, fenced):
+            words = _mima_words(segment)
+            if words is None or (words and words[0].endswith(":")):  # not mima, or its output
                 continue
-            for segment in _words(text, fenced):
-                words = _mima_words(segment)
-                if words is None or (words and words[0].endswith(":")):  # not mima, or its output
-                    continue
-                written = "mima " + " ".join(words).replace(_ALTERNATIVE, "|")
-                for choice in _applied_conventions(words):
-                    found.append(Example(f"{path.relative_to(REPO)}:{line}", written, tuple(choice), fenced))
+            written = "mima " + " ".join(words).replace(_ALTERNATIVE, "|")
+            found += [Example(f"{name}:{line}", written, tuple(choice), fenced) for choice in _applied_conventions(words)]
     return found
+
+
+def examples() -> list[Example]:
+    return [example for path in documentation_files() for example in examples_in(path, str(path.relative_to(REPO)))]
 
 
 # ------------------------------------------------------------------------------- checks
@@ -237,6 +242,28 @@ def test_the_documentation_shows_every_command():
     assert len([ex for ex in found if ex.complete]) >= 25
     texts = {text.strip() for path in documentation_files() for _, text, _ in _code_pieces(path)}
     assert set(SKIPPED) <= texts, "a skipped line is no longer in the documentation: remove it from SKIPPED"
+
+
+def test_the_conventions_read_commands_as_the_docstring_says(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `mima analyze cosine|ctl RUN_DIR` or `mima evaluate RUN_DIR [RUN_DIR ...] --out DIR\n"
+        "[--merges ...]`, and `mima prefetch --config <your config>`; `mima merge: ties -> m.safetensors` is output.\n"
+        "\n"
+        "```bash\n"
+        "cd x && srun --ntasks 2 .venv/bin/mima merge --method ties \\\n"
+        "    --models a b --output m.safetensors   # a comment, --not-an-option\n"
+        "pip install mima\n"
+        "```\n"
+    )
+    read = [(ex.where, ex.words, ex.complete) for ex in examples_in(page, "page.md")]
+    assert read == [
+        ("page.md:1", ("analyze", "cosine", "RUN_DIR"), False),
+        ("page.md:1", ("analyze", "ctl", "RUN_DIR"), False),
+        ("page.md:1", ("evaluate", "RUN_DIR", "RUN_DIR", "--out", "DIR", "--merges", "..."), False),
+        ("page.md:2", ("prefetch", "--config", "your_config"), False),
+        ("page.md:5", ("merge", "--method", "ties", "--models", "a", "b", "--output", "m.safetensors"), True),
+    ]
 
 
 def test_every_documented_command_parses():
