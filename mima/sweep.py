@@ -67,7 +67,13 @@ def run_sweep(
             # the same command again after a stop: each run resumes where it stopped (a finished one
             # is kept as it is; a changed config is refused), and evaluation goes on from its cells
             run_config["ckpt_path"] = "last"
-        run_dirs.append(run_fit(run_config).run_dir)
+        result = run_fit(run_config)
+        if result.preempted_by is not None:
+            # a signal (or RUN/STOP) stopped this fit after saving: the sweep stops too, rather than
+            # going on to the next run; the same command resumes it
+            print(f"{title}: {label} stopped (state saved); run the same command to go on")
+            raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
+        run_dirs.append(result.run_dir)
         print(f"{label}: trained in {time.time() - run_started:.0f} s")
     return evaluate_runs(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
