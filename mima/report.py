@@ -281,9 +281,10 @@ def build_page(folder: Path, at: Path, staging: Path | None = None) -> Page:
     staging = staging if staging is not None else at
     if folder_kind(folder) == "sweep":
         if sweep.runs_dir.is_dir():
-            runs = [r.path for r in sweep.runs()]
+            trained = [r.path for r in sweep.runs(include_joint=True)]
         else:  # `mima evaluate --out`: the runs it evaluated are wherever they were
-            runs = [r.path for r in sweep.listed_runs()]
+            trained = [r.path for r in sweep.listed_runs(include_joint=True)]
+        runs = [path for path in trained if not RunFolder(path).is_joint()]  # the MIMA runs, one per N
         kind = "sweep" if sweep.runs_dir.is_dir() else "evaluation"
         page = Page(f"mima report: {kind} {folder.name}")
         page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}; "
@@ -292,7 +293,7 @@ def build_page(folder: Path, at: Path, staging: Path | None = None) -> Page:
             page.bullets(_run_settings(runs[0])[:2])
         results_section(page, folder)
     else:
-        runs = [folder]
+        runs = trained = [folder]
         page = Page(f"mima report: run {folder.name}")
         page.text(f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {link(folder, at, str(folder))}.")
         page.bullets(_run_settings(folder))
@@ -303,8 +304,8 @@ def build_page(folder: Path, at: Path, staging: Path | None = None) -> Page:
         phase_section(page, folder)
     cosine_section(page, folder, runs, at, staging)
     analyses_section(page, [("sweep", folder)] * sweep.has_results() + [(f"run {r.name}", r) for r in runs])
-    if runs:
-        checkpoints_section(page, runs, at)
+    if trained:
+        checkpoints_section(page, trained, at)
     return page
 
 

@@ -275,11 +275,13 @@ class SweepFolder:
         """The joint multi-task baseline trained beside the N runs."""
         return RunFolder(self.runs_dir / JOINT)
 
-    def runs(self) -> list[RunFolder]:
-        """The MIMA run folders under runs/ (those with phase records), in order of N."""
+    def runs(self, include_joint: bool = False) -> list[RunFolder]:
+        """The MIMA run folders under runs/ (those with phase records), in order of N; with
+        `include_joint`, also the joint baseline's (after them)."""
         if not self.runs_dir.is_dir():
             return []
-        found = [RunFolder(p) for p in self.runs_dir.iterdir() if p.is_dir() and RunFolder(p).has_metrics()]
+        found = [RunFolder(p) for p in self.runs_dir.iterdir()
+                 if p.is_dir() and (RunFolder(p).has_metrics() or include_joint and RunFolder(p).is_joint())]
         return sorted(found, key=lambda run: (len(run.path.name), run.path.name))
 
     def result_file(self, name: str) -> Path:
@@ -310,17 +312,18 @@ class SweepFolder:
     def has_results(self) -> bool:
         return self.results_json.is_file()
 
-    def listed_runs(self) -> list[RunFolder]:
+    def listed_runs(self, include_joint: bool = False) -> list[RunFolder]:
         """The run folders a results table names (selection.json's "runs", as `mima evaluate --out`
-        writes it): those that still exist with their phase records. A relative path is taken from
-        the working directory, else from the sweep folder's parent."""
+        writes it): those that still exist with their phase records (with `include_joint`, also a
+        joint baseline's). A relative path is taken from the working directory, else from the sweep
+        folder's parent."""
         if not self.selection_json.is_file():
             return []
         listed = read_json(self.selection_json).get("runs") or []
         found = []
         for name in listed if isinstance(listed, list) else []:
             for candidate in (Path(str(name)), self.path.parent / str(name)):
-                if RunFolder(candidate).has_metrics():
+                if RunFolder(candidate).has_metrics() or include_joint and RunFolder(candidate).is_joint():
                     found.append(RunFolder(candidate))
                     break
         return found

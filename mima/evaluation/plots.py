@@ -58,7 +58,8 @@ def plot_cosine_vs_n(
     the end of each phase (paper 001 Fig. 11; the caller passes one run per N)."""
     n_values = sorted(pairwise_cos_tau)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.boxplot([list(pairwise_cos_tau[n]) for n in n_values], tick_labels=[str(n) for n in n_values])
+    left.boxplot([list(pairwise_cos_tau[n]) for n in n_values], tick_labels=[str(n) for n in n_values],
+                 medianprops={"color": "black"})  # not the default orange, the colour of delta on the right
     left.set_xlabel("MIMA iterations N")
     left.set_ylabel("pairwise cosine of final task vectors tau_t")
     left.set_title("Task-vector alignment vs N")
