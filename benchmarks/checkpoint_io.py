@@ -26,6 +26,8 @@ counters are read; nothing of mima is mocked.
 
     python benchmarks/checkpoint_io.py [--iterations 8] [--devices 1 2] [--repeats 3]
                                        [--settings segment "2 phases" 30s 0]
+"""
+
 from __future__ import annotations
 
 import argparse

@@ -124,6 +124,7 @@ class MimaCheckpoint(Checkpoint):
         self.in_flight = 0  # the writer's job count when the previous checkpoint was queued
         self.last_save = 0.0  # time.monotonic() of the previous save (or the start)
         self.next_tidy = 0.0
+        self.last_tidied: tuple[int, StateRecord | None] | None = None  # (committed phase, cut) last tidied for
 
     # ------------------------------------------------------------------------- lifecycle
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
@@ -161,8 +162,10 @@ class MimaCheckpoint(Checkpoint):
         step, plan = trainer.global_step, pl_module.plan
         if step >= plan.local_steps:
             return  # finished: final/ holds the result
+        # asked before the stop check: a wall-clock decision is a broadcast every process makes here
+        scheduled = self._scheduled(trainer, pl_module, step)
         stopping = self.stop.stopped_by is not None or self.stop.at_step(plan.position(step).phase)
-        if stopping or self._scheduled(trainer, pl_module, step):
+        if stopping or scheduled:
             self.save(trainer, pl_module)
         self.tidy(trainer)
         if stopping:
@@ -211,8 +214,10 @@ class MimaCheckpoint(Checkpoint):
             ends_segment = at_sync = step % period == 0
             ended_phase = step // period - 1
         else:
-            ends_segment, at_sync = plan.ends_segment(step - 1), plan.ends_phase(step - 1)
             ended_phase = plan.position(step - 1).phase
+            ends_segment = plan.ends_segment(step - 1)
+            # the sync ran (not left pending by a stop): then every process has just run it and is here
+            at_sync = plan.ends_phase(step - 1) and self.phase_state.avg_phase == ended_phase
         if every.kind == "segment":
             return ends_segment
         if every.kind == "steps":
@@ -225,7 +230,8 @@ class MimaCheckpoint(Checkpoint):
 
     def _interval_passed(self, trainer) -> bool:
         """Process 0's clock decides, and tells the others: called by every process right after the
-        same sync (a stop at the sync saves without asking), so the broadcast pairs up."""
+        same sync that ran (a stop leaves it pending on every process: then nobody asks), so the
+        broadcast pairs up."""
         due = time.monotonic() - self.last_save >= self.every.amount
         if trainer.world_size > 1:
             due = bool(trainer.strategy.broadcast(due, src=0))
@@ -328,6 +334,9 @@ class MimaCheckpoint(Checkpoint):
         committed = self.commits.committed_phase()
         cut = max((r for r in self.states if r.durable and r.phase == committed and self.commits.partners_reached(r.step)),
                   key=lambda record: record.step, default=None)
+        if (committed, cut) == self.last_tidied:
+            return []  # nothing new is committed: spare the file system the listings
+        self.last_tidied = (committed, cut)
         removable = self.retention.removable(self.states, committed, cut)
         self.states = [record for record in self.states if record.path not in removable]
         self.inline_states = [path for path in self.inline_states if path not in removable]
