@@ -15,7 +15,7 @@ processes, each with every `--checkpoint_every` setting asked for (default: `seg
         final/*.json, logs) as found on disk after the run
     where E is the size of pretrained.safetensors;
   * the stall: seconds the training threads spent in checkpoint code (saving, waiting for the
-    writer, tidying), the largest over processes, as each logs it (`checkpoint/stall_s`);
+    writer, tidying), the largest over processes, as `mima fit` prints it at the end;
   * disk use, polled every 20 ms while the run goes on: the peak bytes under checkpoints/, the peak
     bytes of kept moments and the most generations (phases) of one task's moments seen at once,
     with how long any task had more than one (a new generation is written before the old goes);
@@ -31,7 +31,6 @@ counters are read; nothing of mima is mocked.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -80,30 +79,32 @@ def run_fit(out: Path, devices: int, iterations: int, every: str, optimizer_stat
                        ROLE_RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_WORLD_SIZE=str(devices),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         processes.append(subprocess.Popen([sys.executable, "-c", WRAPPER, str(report), *args], cwd=REPO, env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         reports.append(report)
     poller = DiskPoller(out / "checkpoints")
     poller.start()
+    stall = float("nan")
     try:
-        for process in processes:
-            _, stderr = process.communicate()
+        for rank, process in enumerate(processes):
+            stdout, stderr = process.communicate()
             if process.returncode:
                 raise SystemExit(f"mima fit failed:\n{stderr[-3000:]}")
+            if rank == 0:
+                stall = printed_stall(stdout)
     finally:
         poller.stop()
     results = [json.loads(report.read_text()) for report in reports]
     return {"bytes": sum(r["wchar"] for r in results), "seconds": max(r["seconds"] for r in results),
-            "stall": max(logged_stall(out, rank) for rank in range(devices)), **poller.peaks()}
+            "stall": stall, **poller.peaks()}
 
 
-def logged_stall(run: Path, rank: int) -> float:
-    """The process's `checkpoint/stall_s` from its CSV log (nan where the run logged none)."""
-    log = run / "logs" / ("metrics.csv" if rank == 0 else f"rank-{rank:05d}/metrics.csv")
-    if not log.is_file():
-        return float("nan")
-    with log.open() as handle:
-        values = [float(row["checkpoint/stall_s"]) for row in csv.DictReader(handle) if row.get("checkpoint/stall_s")]
-    return values[-1] if values else float("nan")
+STALL = re.compile(r"checkpoints held up training for ([0-9.]+) s")
+
+
+def printed_stall(stdout: str) -> float:
+    """The stall `mima fit` prints at the end (nan where it printed none: no checkpoints)."""
+    found = STALL.search(stdout)
+    return float(found.group(1)) if found else float("nan")
 
 
 class DiskPoller(threading.Thread):

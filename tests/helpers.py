@@ -72,7 +72,7 @@ class KillDuringStateWrite(Callback):
         checkpoint = trainer.checkpoint_callback
         original, count = checkpoint._write, [0]
 
-        def write(path, job):
+        def write(path, job, done=None):
             if path.suffix == ".ckpt":
                 count[0] += 1
                 if count[0] == self.save:
@@ -81,8 +81,8 @@ class KillDuringStateWrite(Callback):
                         data = temporary.read_bytes()
                         temporary.write_bytes(data[: len(data) // 2])
                         os.killpg(os.getpgrp(), signal.SIGKILL)
-                    return original(path, half_then_die)
-            return original(path, job)
+                    return original(path, half_then_die, done)
+            return original(path, job, done)
 
         checkpoint._write = write
 

@@ -15,7 +15,9 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.training.checkpoint_callback import SaveSchedule
-from tests.test_distributed import FOUR, STEPS, TWO, assert_identical, finals, run_job, write_config
+from tests.test_distributed import FOUR, STEPS, TWO, assert_identical, finals, reference, run_job, write_config
+
+__all__ = ["reference"]  # a fixture (uninterrupted runs): imported for pytest to find
 
 PHASES = 6  # K = STEPS / PHASES = 4: enough syncs for "2 phases" to save at some and skip others
 K = STEPS // PHASES
@@ -53,26 +55,7 @@ def state_writes(out: Path, rank: int) -> list[str]:
     return (out / f".state-writes-{rank}").read_text().split()
 
 
-@pytest.fixture(scope="module")
-def six_phases(tmp_path_factory, small_clip):
-    """Uninterrupted six-phase runs (default checkpoints), by (devices, tasks)."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("six")
-
-    def get(devices: int, tasks: list[str]):
-        key = (devices, tuple(tasks))
-        if key not in cache:
-            out = root / f"w{devices}-{len(tasks)}"
-            config = write_config(root / f"w{devices}-{len(tasks)}.yaml", small_clip, tasks, devices, model=SIX)
-            result = run_job(config, out)
-            assert result.returncode == 0, result.stderr[-3000:]
-            cache[key] = finals(out, tasks)
-        return cache[key]
-
-    return get
-
-
-def test_two_phases_saves_exactly_at_every_second_sync(tmp_path, small_clip, six_phases):
+def test_two_phases_saves_exactly_at_every_second_sync(tmp_path, small_clip, reference):
     """Three processes on four tasks: rank 0 owns two tasks (a phase is 2K of its steps), ranks 1 and 2 one
     each (K steps); each saves right after the syncs ending phases 2 and 4 (1-based), not after the last."""
     out = tmp_path / "run"
@@ -84,10 +67,10 @@ def test_two_phases_saves_exactly_at_every_second_sync(tmp_path, small_clip, six
         expected = [f"phase-{phase + 1:04d}-step-{syncs[phase]:08d}.ckpt" for phase in range(PHASES - 1) if (phase + 1) % 2 == 0]
         assert state_writes(out, rank) == expected, rank
     assert expected == ["phase-0002-step-00000008.ckpt", "phase-0004-step-00000016.ckpt"]  # rank 2, by hand
-    assert_identical(finals(out, FOUR), six_phases(1, FOUR))
+    assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
 
 
-def test_a_time_interval_saves_at_the_same_syncs_on_every_process(tmp_path, small_clip, six_phases):
+def test_a_time_interval_saves_at_the_same_syncs_on_every_process(tmp_path, small_clip, reference):
     """A wall-clock interval is decided by process 0 at the syncs: both processes save at the same syncs
     (which ones depends on the machine's speed) and nowhere else; an interval that never passes saves nothing."""
     out = tmp_path / "run"
@@ -100,14 +83,14 @@ def test_a_time_interval_saves_at_the_same_syncs_on_every_process(tmp_path, smal
     for name in saved[0]:
         step = int(name.split("step-")[1][:8])
         assert step in syncs[:-1] and name.startswith(f"phase-{syncs.index(step) + 1:04d}-")
-    assert_identical(finals(out, FOUR), six_phases(1, FOUR))
+    assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
     never = tmp_path / "never"
     assert run_job(config, never, "--checkpoint_every", "2h").returncode == 0
     assert not (never / ".state-writes-0").exists() and not (never / ".state-writes-1").exists()
 
 
 @pytest.mark.parametrize("kill_step, resumed_from", [(28, 16), (36, 32)])
-def test_sigkill_and_resume_with_two_phases_is_bit_identical(tmp_path, small_clip, six_phases, kill_step, resumed_from):
+def test_sigkill_and_resume_with_two_phases_is_bit_identical(tmp_path, small_clip, reference, kill_step, resumed_from):
     """Two processes with two tasks each (a phase is 8 of their steps): saves at steps 16 and 32 only; a
     kill in phase 4 resumes from step 16, one in phase 5 from step 32, and both end as the uninterrupted run."""
     out = tmp_path / "run"
@@ -118,7 +101,7 @@ def test_sigkill_and_resume_with_two_phases_is_bit_identical(tmp_path, small_cli
                       "--ckpt_path", "last", "--checkpoint_every", "2 phases")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from process steps {resumed_from} (" in resumed.stdout
-    assert_identical(finals(out, FOUR), six_phases(1, FOUR))
+    assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
     phases = [json.loads(line)["phase"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert phases == list(range(1, PHASES + 1))
 
@@ -135,7 +118,7 @@ def expected_generations(step: int, tasks: list[str], phases: int = PHASES, k: i
     return newest
 
 
-def test_only_the_newest_generation_of_moments_stays_on_disk(tmp_path, small_clip, six_phases):
+def test_only_the_newest_generation_of_moments_stays_on_disk(tmp_path, small_clip, reference):
     """One process, two tasks, six phases, segment-end saves: after each save is on disk and tidied, each
     task has exactly one moments file, of the generation its newest segment end made."""
     out = tmp_path / "run"
@@ -150,4 +133,4 @@ def test_only_the_newest_generation_of_moments_stays_on_disk(tmp_path, small_cli
     assert records[-1]["moments"] == [f"phase-{PHASES - 2:04d}/{task}.safetensors" for task in sorted(TWO)]
     kept = sorted(str(p.relative_to(out / "checkpoints" / "moments")) for p in (out / "checkpoints" / "moments").rglob("*.safetensors"))
     assert kept == records[-1]["moments"]  # and so the run ends
-    assert_identical(finals(out, TWO), six_phases(1, TWO))
+    assert_identical(finals(out, TWO), reference(1, TWO, SIX))

@@ -80,15 +80,16 @@ def assert_identical(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_clip):
-    """Uninterrupted runs, computed once per (devices, tasks)."""
+    """Uninterrupted runs, computed once per (devices, tasks, model options)."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("reference")
 
-    def get(devices: int, tasks: list[str]):
-        key = (devices, tuple(tasks))
+    def get(devices: int, tasks: list[str], model: dict | None = None):
+        key = (devices, tuple(tasks), tuple(sorted((model or {}).items())))
         if key not in cache:
-            out = root / f"w{devices}-{len(tasks)}"
-            result = run_job(write_config(root / f"w{devices}-{len(tasks)}.yaml", small_clip, tasks, devices), out)
+            name = f"w{devices}-{len(tasks)}-{len(cache)}"
+            out = root / name
+            result = run_job(write_config(root / f"{name}.yaml", small_clip, tasks, devices, model=model), out)
             assert result.returncode == 0, result.stderr[-3000:]
             cache[key] = finals(out, tasks)
         return cache[key]

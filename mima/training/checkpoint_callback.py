@@ -27,8 +27,8 @@ processes' newer states are known to be on disk (mima.training.checkpoint_retent
 cut, shared through the stop store), so only the newest generation of kept AdamW moments stays.
 A process waits for its writer only before queueing a checkpoint while the previous one is still
 being written (at most one checkpoint in flight, so host memory stays bounded); the time the
-training thread spends on checkpoints is logged as `checkpoint/stall_s`. After a successful run the
-whole checkpoints folder is removed unless `--keep_checkpoints` is given.
+training threads spent on checkpoints is printed at the end (the slowest process's). After a
+successful run the whole checkpoints folder is removed unless `--keep_checkpoints` is given.
 """
 
 from __future__ import annotations
@@ -193,9 +193,10 @@ class MimaCheckpoint(Checkpoint):
         if finished and trainer.is_global_zero:
             for path in RunFolder(self.files.run_dir).replaced_runs() + ([] if self.keep else [self.files.root]):
                 shutil.rmtree(path, ignore_errors=True)
-        for logger in trainer.loggers:
-            logger.log_metrics({"checkpoint/stall_s": round(self.stall_s, 4),
-                                "checkpoint/written_bytes": self.bytes_written}, step=max(trainer.global_step - 1, 0))
+        stall = trainer.strategy.reduce(torch.tensor(self.stall_s, device=trainer.strategy.root_device), reduce_op="max")
+        if trainer.is_global_zero:
+            print(f"mima fit: checkpoints held up training for {float(stall):.2f} s (the slowest process: saving, "
+                  "waiting for the writer, tidying up)", flush=True)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.writer is not None:
@@ -263,6 +264,9 @@ class MimaCheckpoint(Checkpoint):
             self.inline_states.append(path)
             if len(self.inline_states) > 2:
                 self.writer.submit_removal([self.inline_states.pop(0)])
+        if self._commits_once_written(phase):
+            # what this state replaces goes right after it is on disk (FIFO), not at the next tidy
+            self.writer.submit_removal(self._removable(phase, record))
         self.in_flight = self.writer.submitted
         self.last_save = time.monotonic()
         self.stall_s += self.last_save - started
@@ -330,10 +334,18 @@ class MimaCheckpoint(Checkpoint):
             newest = max(durable, key=lambda record: record.step)
             self.commits.publish(newest.phase, newest.step)
 
-    def _removable(self) -> list[Path]:
-        committed = self.commits.committed_phase()
-        cut = max((r for r in self.states if r.durable and r.phase == committed and self.commits.partners_reached(r.step)),
-                  key=lambda record: record.step, default=None)
+    def _commits_once_written(self, phase: int) -> bool:
+        """Whether a state of `phase` becomes this process's committed state as soon as it is on disk:
+        every process already has a durable state of this phase (or there is one process), and no
+        replica must write the same step first."""
+        return not self.commits.partners and (self.commits.store is None or self.commits.committed >= phase)
+
+    def _removable(self, committed: int | None = None, cut: StateRecord | None = None) -> list[Path]:
+        """What no resume can need once `cut` (default: the newest committed state) is on disk."""
+        if committed is None:
+            committed = self.commits.committed_phase()
+            cut = max((r for r in self.states if r.durable and r.phase == committed and self.commits.partners_reached(r.step)),
+                      key=lambda record: record.step, default=None)
         if (committed, cut) == self.last_tidied:
             return []  # nothing new is committed: spare the file system the listings
         self.last_tidied = (committed, cut)

@@ -118,7 +118,8 @@ class Retention:
                     found.append(record.path)  # refers to a removed file: no resume can use it
         found = [p for p in found if self.files.relative(p) not in self.removed]
         self.removed |= {self.files.relative(p) for p in found}
-        return found
+        # states first: a kill between two removals never leaves a state that refers to a missing file
+        return sorted(found, key=lambda path: path.suffix != ".ckpt")
 
     def _replaced_moments(self, cut: StateRecord) -> list[Path]:
         """The moments files of the tasks `cut` refers to that are older than the ones it refers to."""
