@@ -130,7 +130,11 @@ class DiskPoller(threading.Thread):
 
     def poll(self) -> None:
         total, moments, generations = 0, 0, {}
-        for path in list(self.folder.rglob("*")):
+        try:
+            paths = list(self.folder.rglob("*"))
+        except OSError:  # a folder removed while we walked it: look again next time
+            return
+        for path in paths:
             try:
                 size = path.stat().st_size if path.is_file() else 0
             except OSError:  # removed while we looked
