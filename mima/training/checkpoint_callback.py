@@ -317,21 +317,27 @@ class MimaCheckpoint(Checkpoint):
     # ----------------------------------------------------------------------------- tidy up
     def tidy(self, trainer, force: bool = False) -> None:
         """Remove what no resume can need any more (mima.training.checkpoint_retention); reads the
-        shared record at most every TIDY_EVERY_S unless forced."""
+        shared record at most every TIDY_EVERY_S unless forced, and only while this process has a
+        state on disk that is not committed yet (no store traffic between saves)."""
         started = time.monotonic()
         if (started < self.next_tidy and not force) or self.commits is None:
             return
         self.next_tidy = started + TIDY_EVERY_S
-        self._publish_durable()
+        newest = self._newest_durable()
+        if newest is None or (not force and self.last_tidied is not None and self.last_tidied[1] is newest):
+            return  # this process's newest state on disk is already its committed one: nothing to ask
+        self.commits.publish(newest.phase, newest.step)
         removable = self._removable()
         if removable:
             self.writer.submit_removal(removable)
         self.stall_s += time.monotonic() - started
 
+    def _newest_durable(self) -> StateRecord | None:
+        return max((record for record in self.states if record.durable), key=lambda record: record.step, default=None)
+
     def _publish_durable(self) -> None:
-        durable = [record for record in self.states if record.durable]
-        if durable:
-            newest = max(durable, key=lambda record: record.step)
+        newest = self._newest_durable()
+        if newest is not None:
             self.commits.publish(newest.phase, newest.step)
 
     def _commits_once_written(self, phase: int) -> bool:
