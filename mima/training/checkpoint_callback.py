@@ -324,8 +324,9 @@ class MimaCheckpoint(Checkpoint):
             return
         self.next_tidy = started + TIDY_EVERY_S
         newest = self._newest_durable()
-        if newest is None or (not force and self.last_tidied is not None and self.last_tidied[1] is newest):
-            return  # this process's newest state on disk is already its committed one: nothing to ask
+        last_cut = self.last_tidied[1] if self.last_tidied is not None else None
+        if newest is None or (not force and last_cut is not None and newest.step <= last_cut.step):
+            return  # no state on disk newer than the one this process last tidied for: nothing to ask
         self.commits.publish(newest.phase, newest.step)
         removable = self._removable()
         if removable:

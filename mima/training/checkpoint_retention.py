@@ -97,8 +97,8 @@ class Retention:
 
     def removable(self, states: list[StateRecord], committed: int, cut: StateRecord | None) -> list[Path]:
         """What may go now that phase `committed` is committed and `cut` is this process's committed state."""
-        if committed >= 0 and (not self.cuts or self.cuts[-1] != committed):
-            self.cuts.append(committed)
+        if committed >= 0 and (not self.cuts or committed > self.cuts[-1]):
+            self.cuts.append(committed)  # a cut seen late (a process's newest-so-far) never goes back
         found: list[Path] = []
         if cut is not None and self.leader:
             found += self._replaced_moments(cut)
@@ -113,8 +113,9 @@ class Retention:
         gone = self.removed | {self.files.relative(p) for p in found}
         if cut is not None:
             for record in states:
+                # (a state still being written will find its files: they are queued before it)
                 if record.step < cut.step and record.path not in found and any(
-                        ref in gone or not (self.files.run_dir / ref).exists() for ref in record.refs):
+                        ref in gone or (record.durable and not (self.files.run_dir / ref).exists()) for ref in record.refs):
                     found.append(record.path)  # refers to a removed file: no resume can use it
         found = [p for p in found if self.files.relative(p) not in self.removed]
         self.removed |= {self.files.relative(p) for p in found}
