@@ -7,6 +7,7 @@ the job at once, as a node failure or `scancel` would.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -73,7 +74,7 @@ class KillDuringStateWrite(Callback):
         checkpoint = trainer.checkpoint_callback
         original, count = checkpoint._write, [0]
 
-        def write(path, job):
+        def write(path, job, done=None):
             if path.suffix == ".ckpt":
                 count[0] += 1
                 if count[0] == self.save:
@@ -82,8 +83,8 @@ class KillDuringStateWrite(Callback):
                         data = temporary.read_bytes()
                         temporary.write_bytes(data[: len(data) // 2])
                         os.killpg(os.getpgrp(), signal.SIGKILL)
-                    return original(path, half_then_die)
-            return original(path, job)
+                    return original(path, half_then_die, done)
+            return original(path, job, done)
 
         checkpoint._write = write
 
@@ -133,3 +134,43 @@ def file_size_limit(limit_bytes: int):
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
     return apply
+
+
+class RecordStateWrites(Callback):
+    """Appends the name of every state file this rank queues to RUN/.state-writes-<rank> (one a line),
+    so a test sees every save, also those that later ones made obsolete and removed."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        checkpoint = trainer.checkpoint_callback
+        original = checkpoint._write
+        record = Path(trainer.default_root_dir) / f".state-writes-{trainer.global_rank}"
+
+        def write(path, job, done=None):
+            if path.suffix == ".ckpt":
+                with record.open("a") as stream:
+                    stream.write(path.name + "\n")
+            return original(path, job, done)
+
+        checkpoint._write = write
+
+
+class RecordMomentsOnDisk(Callback):
+    """After every step of rank `rank`: wait until its checkpoint files are on disk, let the checkpoint
+    tidy up now, and append {"step", "moments": [phase-PPPP/<task>.safetensors, ...]} to RUN/.moments-on-disk
+    (as a user listing checkpoints/moments right after each save would find it, once it is tidied)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        checkpoint = trainer.checkpoint_callback
+        checkpoint.flush()
+        checkpoint.tidy(trainer, force=True)
+        checkpoint.flush()
+        run = Path(trainer.default_root_dir)
+        moments = sorted(str(p.relative_to(run / "checkpoints" / "moments"))
+                         for p in (run / "checkpoints" / "moments").glob("phase-*/*.safetensors"))
+        with (run / ".moments-on-disk").open("a") as stream:
+            stream.write(json.dumps({"step": trainer.global_step, "moments": moments}) + "\n")

@@ -219,6 +219,9 @@ def _fit_argv(tmp_path, small_clip, **changes) -> list[str]:
         ({"trainer.max_steps": "10"}, ["trainer.max_steps", "model.steps and model.iterations"]),
         ({"checkpoint_every": "weekly"}, ["--checkpoint_every must be 'segment', 'phase', a number", "'weekly'"]),
         ({"checkpoint_every": "-3"}, ["--checkpoint_every must be", "-3"]),
+        ({"checkpoint_every": "0 phases"}, ["--checkpoint_every must be", "'K phases' (K >= 1)", "'0 phases'"]),
+        ({"checkpoint_every": "2 weeks"}, ["--checkpoint_every must be", "a time such as 90s, 30min or 2h", "'2 weeks'"]),
+        ({"checkpoint_every": "0min"}, ["--checkpoint_every must be", "or 0 (never)", "'0min'"]),
         ({"out": "runs/{config}-{lr}"}, ["--out runs/{config}-{lr}: only {config}, {iterations} and {seed}"]),
     ],
 )

@@ -84,16 +84,17 @@ REFERENCE_RUNS: dict[tuple[int, tuple[str, ...]], Path] = {}  # (devices, tasks)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_clip):
-    """Uninterrupted runs, computed once per (devices, tasks)."""
+    """Uninterrupted runs, computed once per (devices, tasks, model options)."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("reference")
     REFERENCE_RUNS.clear()
 
-    def get(devices: int, tasks: list[str]):
-        key = (devices, tuple(tasks))
+    def get(devices: int, tasks: list[str], model: dict | None = None):
+        key = (devices, tuple(tasks), tuple(sorted((model or {}).items())))
         if key not in cache:
-            out = root / f"w{devices}-{len(tasks)}"
-            result = run_job(write_config(root / f"w{devices}-{len(tasks)}.yaml", small_clip, tasks, devices), out)
+            name = f"w{devices}-{len(tasks)}-{len(cache)}"
+            out = root / name
+            result = run_job(write_config(root / f"{name}.yaml", small_clip, tasks, devices, model=model), out)
             assert result.returncode == 0, result.stderr[-3000:]
             cache[key] = finals(out, tasks)
             REFERENCE_RUNS[key] = out
@@ -162,9 +163,12 @@ def test_kill_during_a_background_write_leaves_the_previous_state(tmp_path, smal
 
 def test_a_damaged_newest_state_falls_back_to_an_older_consistent_cut(tmp_path, small_clip, reference):
     out = tmp_path / "run"
-    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 28})]), out)
+    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 44})]), out)
     assert killed.returncode == -signal.SIGKILL
-    # rank 1 is somewhere in phase 1 (no lockstep between syncs); its newest state is cut short
+    # rank 1 is somewhere in the last phase (no lockstep between syncs); its newest state (step 40) is cut
+    # short. Only the newest generation of kept moments stays on disk, so an older state is complete only
+    # where no newer moments replaced the ones it needs: in the last phase, which writes no moments, the
+    # phase's first state (step 32) is.
     newest = sorted((out / CHECKPOINTS / "ranks" / "rank-00001").glob("*.ckpt"))[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # a truncated file, as a full disk would leave
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, 2), out, "--ckpt_path", "last")

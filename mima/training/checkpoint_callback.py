@@ -8,21 +8,27 @@ to them, by a background thread (mima.training.background_writer: FIFO, temporar
 rename), so training goes on while bytes reach the disk and a kill mid-write leaves every earlier
 file intact.
 
-When to save (`--checkpoint_every`): "segment" (default: every task segment end, so a crash loses
-at most K steps), "phase" (only at syncs: fewer, smaller files, up to one phase of a process lost),
-a number n (every n process steps and at every sync; inside a segment a save holds the encoder and
-its moments: 1-3 encoder sizes per process), or 0 (never). A stop request (signal or RUN/STOP, see
-mima.training.preemption) saves at the next step boundary whatever the choice.
+When to save (`--checkpoint_every`, `SaveSchedule`): "segment" (default: every task segment end,
+so a crash loses at most K steps), "phase" or "k phases" (at every k-th sync: fewer, smaller files,
+up to k phases of a process lost), a number n (every n process steps and at every sync; inside a
+segment a save holds the encoder and its moments: 1-3 encoder sizes per process), a time such as
+"30min" (at the first sync after that much time since the last save, by process 0's clock, which it
+shares at the sync, so every process saves at the same syncs), or 0 (never). A stop request (signal
+or RUN/STOP, see mima.training.preemption) saves at the next step boundary whatever the choice.
+The choice changes only when states are saved, never the weights.
 
 A state is built here from Lightning's public accessors (loop, optimiser, scheduler and callback
 states, in the layout `trainer.fit(ckpt_path=...)` restores), plus mima's own section: the run's
 identity, the random states and the PhaseState, which this callback serialises and restores but
 never changes (MimaSyncCallback does). Which states a resume starts from: mima.training.resume.
 
-Before each sync every process waits for its own writes (`flush`, handed to the sync callback by
-`mima fit`), so after the sync ending phase P the states of phases < P are never needed again and
-are removed, with the files only they referred to. After a successful run the whole checkpoints
-folder is removed unless `--keep_checkpoints` is given.
+Nobody waits for the disk at a sync: files no resume can need any more are removed once the
+processes' newer states are known to be on disk (mima.training.checkpoint_retention: the committed
+cut, shared through the stop store), so only the newest generation of kept AdamW moments stays.
+A process waits for its writer only before queueing a checkpoint while the previous one is still
+being written (at most one checkpoint in flight, so host memory stays bounded); the time the
+training threads spent on checkpoints is printed at the end (the slowest process's). After a
+successful run the whole checkpoints folder is removed unless `--keep_checkpoints` is given.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning
@@ -37,12 +45,50 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
+from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.training.background_writer import BackgroundWriter
-from mima.training.checkpoint_format import (CheckpointFiles, cpu_snapshot, flatten_moments, phase_of, reference,
-                                             saved_states, state_writer)
+from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_snapshot, flatten_moments, reference,
+                                             references, state_writer)
+from mima.training.checkpoint_retention import Commitments, Retention, StateRecord
 from mima.training.phase_state import PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
+
+
+TIDY_EVERY_S = 0.5  # how often a process reads the shared record of durable states (store round trips)
+SCHEDULE_FORMS = ("'segment', 'phase', a number of steps, 'K phases' (K >= 1), a time such as 90s, 30min or 2h, "
+                  "or 0 (never)")
+SECONDS_PER_UNIT = {"s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class SaveSchedule:
+    """--checkpoint_every, read: when each process saves its state (see the module docstring)."""
+
+    kind: str  # "segment", "phases", "steps", "seconds" or "never"
+    amount: float = 0.0  # k phases, n steps or seconds
+
+    @staticmethod
+    def parse(value: str | int | None) -> SaveSchedule:
+        """The schedule a --checkpoint_every value names; anything else is one line naming the forms."""
+        text = "segment" if value is None else str(value).strip().lower()
+        if text == "segment":
+            return SaveSchedule("segment")
+        if text == "phase":
+            return SaveSchedule("phases", 1)
+        if text.isdigit():
+            return SaveSchedule("steps", int(text)) if int(text) else SaveSchedule("never")
+        phases = re.fullmatch(r"(\d+)\s*phases?", text)
+        if phases and int(phases.group(1)) >= 1:
+            return SaveSchedule("phases", int(phases.group(1)))
+        interval = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|sec|min|h)", text)
+        if interval and float(interval.group(1)) > 0:
+            return SaveSchedule("seconds", float(interval.group(1)) * SECONDS_PER_UNIT[interval.group(2)])
+        raise MimaError(f"--checkpoint_every must be {SCHEDULE_FORMS}, got {value!r}")
+
+    @property
+    def saves(self) -> bool:
+        return self.kind != "never"
 
 
 class MimaCheckpoint(Checkpoint):
@@ -50,28 +96,35 @@ class MimaCheckpoint(Checkpoint):
 
     Args:
         phase_state: the process's PhaseState (shared with the sync callback, which changes it).
-        stop: the process's side of the stop protocol.
+        stop: the process's side of the stop protocol (its store also carries the durable states).
         identity: what a state must agree on to be resumed (mima.training.resume.run_identity).
-        every: "segment", "phase" or a number of process steps (see the module docstring).
+        every: when to save: a SaveSchedule or a --checkpoint_every value (see the module docstring).
         keep: keep the checkpoints folder after the run has finished.
     """
 
     def __init__(self, phase_state: PhaseState, stop: StopAgreement, identity: dict,
-                 every: str | int = "segment", keep: bool = False) -> None:
+                 every: SaveSchedule | str | int = "segment", keep: bool = False) -> None:
         self.phase_state = phase_state
         self.stop = stop
         self.identity = identity
-        self.every = every
+        self.every = every if isinstance(every, SaveSchedule) else SaveSchedule.parse(every)
         self.keep = keep
         self.writer: BackgroundWriter | None = None
         self.files: CheckpointFiles | None = None
         self.queued: set[Path] = set()  # files this process has written or queued
         self.stopped_by: int | None = None
-        self.completed_syncs = 0
         self.inline_states: list[Path] = []  # this attempt's saves that hold an encoder themselves
         self.queued_first = False
         self.bytes_written = 0
+        self.stall_s = 0.0  # time the training thread spent saving, waiting for the writer and tidying
         self.watch = StepWatch()
+        self.states: list[StateRecord] = []  # this process's states of this attempt (and the one it resumed)
+        self.commits: Commitments | None = None
+        self.retention: Retention | None = None
+        self.in_flight = 0  # the writer's job count when the previous checkpoint was queued
+        self.last_save = 0.0  # time.monotonic() of the previous save (or the start)
+        self.next_tidy = 0.0
+        self.last_tidied: tuple[int, StateRecord | None] | None = None  # (committed phase, cut) last tidied for
 
     # ------------------------------------------------------------------------- lifecycle
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
@@ -88,7 +141,17 @@ class MimaCheckpoint(Checkpoint):
             if trainer.is_global_zero:
                 shutil.rmtree(self.files.root, ignore_errors=True)
             trainer.strategy.barrier("mima: stale checkpoints removed")
-        self.completed_syncs = self.phase_state.completed_syncs
+        self.last_save = time.monotonic()
+        rank, layout = trainer.global_rank, pl_module.layout
+        partners = next((group for group in layout.task_group_ranks() if rank in group), [rank])
+        self.commits = Commitments(self.stop.store, trainer.world_size, rank, partners)
+        self.retention = Retention(self.files, rank, leader=layout.is_leader(rank), removes_shared=trainer.is_global_zero)
+        resumed = (getattr(trainer.strategy, "resume_states", None) or {}).get(rank)
+        if resumed is not None and Path(resumed).parent == self.files.rank_dir(rank):
+            name = STATE_NAME.match(Path(resumed).name)
+            record = StateRecord(Path(resumed), int(name.group(1)), int(name.group(2)), durable=True)
+            self.states.append(record)  # on disk and chosen by every process: durable and committed
+            self.commits.publish(record.phase, record.step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.watch.batch_starts(trainer.global_step)
@@ -99,21 +162,18 @@ class MimaCheckpoint(Checkpoint):
         step, plan = trainer.global_step, pl_module.plan
         if step >= plan.local_steps:
             return  # finished: final/ holds the result
-        synced = self.phase_state.completed_syncs
+        # asked before the stop check: a wall-clock decision is a broadcast every process makes here
+        scheduled = self._scheduled(trainer, pl_module, step)
         stopping = self.stop.stopped_by is not None or self.stop.at_step(plan.position(step).phase)
-        if stopping or self._scheduled(step, pl_module):
+        if stopping or scheduled:
             self.save(trainer, pl_module)
-        if synced > self.completed_syncs:
-            self._forget_before(trainer, synced - 1)
-            self.completed_syncs = synced
+        self.tidy(trainer)
         if stopping:
             self.stopped_by = self.stop.stopped_by if self.stop.stopped_by is not None else 0
             trainer.should_stop = True
 
     def flush(self) -> None:
-        """Wait until this process's queued files are on disk. The sync callback calls it before
-        it waits for the others: this process's states of the phase must be on disk before any
-        process moves past it (see `_forget_before`)."""
+        """Wait until this process's queued files are on disk (for tests and for a failing run)."""
         if self.writer is not None:
             self.writer.flush()
 
@@ -121,10 +181,22 @@ class MimaCheckpoint(Checkpoint):
         self.writer.close()
         self.bytes_written = self.writer.bytes_written
         finished = trainer.global_step >= pl_module.plan.local_steps and self.stopped_by is None
+        self._publish_durable()
         trainer.strategy.barrier("mima: every process has finished writing")
+        if not finished or self.keep:
+            # every state is on disk: what the last cut no longer needs goes now (one generation of moments)
+            started = time.monotonic()
+            for path in self._removable():
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            self.stall_s += time.monotonic() - started
+            trainer.strategy.barrier("mima: tidied")  # the store's host stays up until every process has read it
         if finished and trainer.is_global_zero:
             for path in RunFolder(self.files.run_dir).replaced_runs() + ([] if self.keep else [self.files.root]):
                 shutil.rmtree(path, ignore_errors=True)
+        stall = trainer.strategy.reduce(torch.tensor(self.stall_s, device=trainer.strategy.root_device), reduce_op="max")
+        if trainer.is_global_zero:
+            print(f"mima fit: checkpoints held up training for {float(stall):.2f} s (the slowest process: saving, "
+                  "waiting for the writer, tidying up)", flush=True)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.writer is not None:
@@ -133,22 +205,45 @@ class MimaCheckpoint(Checkpoint):
             except Exception:
                 pass
 
-    def _scheduled(self, step: int, pl_module) -> bool:
-        plan = pl_module.plan
+    def _scheduled(self, trainer, pl_module, step: int) -> bool:
+        """Whether the step that just ended is a save point of the schedule."""
+        plan, every = pl_module.plan, self.every
         if pl_module.hparams.mode == "joint":
-            every = plan.total_steps // pl_module.hparams.iterations if self.every in ("segment", "phase") else self.every
-            return step % every == 0
-        at_sync = plan.ends_phase(step - 1)
-        if self.every == "segment":
-            return plan.ends_segment(step - 1)
-        if self.every == "phase":
-            return at_sync
-        return at_sync or step % int(self.every) == 0
+            if every.kind == "steps":
+                return step % int(every.amount) == 0
+            period = plan.total_steps // pl_module.hparams.iterations  # the joint run's "phases"
+            ends_segment = at_sync = step % period == 0
+            ended_phase = step // period - 1
+        else:
+            ended_phase = plan.position(step - 1).phase
+            ends_segment = plan.ends_segment(step - 1)
+            # the sync ran (not left pending by a stop): then every process has just run it and is here
+            at_sync = plan.ends_phase(step - 1) and self.phase_state.avg_phase == ended_phase
+        if every.kind == "segment":
+            return ends_segment
+        if every.kind == "steps":
+            return at_sync or step % int(every.amount) == 0
+        if every.kind == "phases":
+            return at_sync and (ended_phase + 1) % int(every.amount) == 0
+        if every.kind == "seconds":
+            return at_sync and self._interval_passed(trainer)
+        return False
+
+    def _interval_passed(self, trainer) -> bool:
+        """Process 0's clock decides, and tells the others: called by every process right after the
+        same sync that ran (a stop leaves it pending on every process: then nobody asks), so the
+        broadcast pairs up."""
+        due = time.monotonic() - self.last_save >= self.every.amount
+        if trainer.world_size > 1:
+            due = bool(trainer.strategy.broadcast(due, src=0))
+        return due
 
     # ------------------------------------------------------------------------------ save
     def save(self, trainer, pl_module) -> None:
         # Lightning's trainer.save_checkpoint ends with a barrier over all processes; MIMA's processes
         # save at different steps, so each builds its state itself (process_state).
+        started = time.monotonic()
+        self.writer.wait_for_job(self.in_flight)  # at most one checkpoint in flight: bounded host memory
         checkpoint = process_state(trainer, pl_module)
         plan = pl_module.plan
         step = trainer.global_step
@@ -157,7 +252,9 @@ class MimaCheckpoint(Checkpoint):
                               "phase_state": self.phase_state.state_dict()}
         inline = pl_module.hparams.mode == "joint" or not self._compact(trainer, pl_module, checkpoint)
         path = self.files.state(trainer.global_rank, phase, step)
-        self._write(path, lambda tmp, state=cpu_snapshot(checkpoint): torch.save(state, tmp))
+        record = StateRecord(path, phase, step, frozenset(references(checkpoint)))
+        self.states = [r for r in self.states if r.path != path] + [record]
+        self._write(path, lambda tmp, state=cpu_snapshot(checkpoint): torch.save(state, tmp), record.mark_durable)
         if trainer.is_global_zero and not self.queued_first:
             # the run that --overwrite replaced goes once this run can be resumed on its own
             self.writer.submit_removal(RunFolder(self.files.run_dir).replaced_runs())
@@ -167,6 +264,12 @@ class MimaCheckpoint(Checkpoint):
             self.inline_states.append(path)
             if len(self.inline_states) > 2:
                 self.writer.submit_removal([self.inline_states.pop(0)])
+        if self._commits_once_written(phase):
+            # what this state replaces goes right after it is on disk (FIFO), not at the next tidy
+            self.writer.submit_removal(self._removable(phase, record))
+        self.in_flight = self.writer.submitted
+        self.last_save = time.monotonic()
+        self.stall_s += self.last_save - started
 
     def _compact(self, trainer, pl_module, checkpoint: dict) -> bool:
         """Replace the tensors that live in immutable files by references (writing those files once);
@@ -208,32 +311,55 @@ class MimaCheckpoint(Checkpoint):
         self._write(path, make())
         self.queued.add(path)
 
-    def _write(self, path: Path, write) -> None:
-        self.writer.submit(path, write)
+    def _write(self, path: Path, write, done=None) -> None:
+        self.writer.submit(path, write, done)
 
     # ----------------------------------------------------------------------------- tidy up
-    def _forget_before(self, trainer, synced_phase: int) -> None:
-        """After the sync ending `synced_phase` every process's states of that phase are on disk,
-        so states of earlier phases (and the files only they refer to) are never needed again."""
-        rank, files = trainer.global_rank, self.files
-        obsolete = [p for p in saved_states(files.run_dir, rank) if phase_of(p) < synced_phase]
-        self.inline_states = [p for p in self.inline_states if p not in obsolete]
-        shared: list[Path] = []
-        if trainer.is_global_zero:  # the shared files, by one process
-            shared += _older(files.root / "averages", synced_phase - 1)
-            shared += _older(files.root / "segments", synced_phase)
-            shared += _older(files.root / "moments", synced_phase - 1)
-        self.writer.submit_removal(obsolete + shared)
+    def tidy(self, trainer, force: bool = False) -> None:
+        """Remove what no resume can need any more (mima.training.checkpoint_retention); reads the
+        shared record at most every TIDY_EVERY_S unless forced, and only while this process has a
+        state on disk that is not committed yet (no store traffic between saves)."""
+        started = time.monotonic()
+        if (started < self.next_tidy and not force) or self.commits is None:
+            return
+        self.next_tidy = started + TIDY_EVERY_S
+        newest = self._newest_durable()
+        last_cut = self.last_tidied[1] if self.last_tidied is not None else None
+        if newest is None or (not force and last_cut is not None and newest.step <= last_cut.step):
+            return  # no state on disk newer than the one this process last tidied for: nothing to ask
+        self.commits.publish(newest.phase, newest.step)
+        removable = self._removable()
+        if removable:
+            self.writer.submit_removal(removable)
+        self.stall_s += time.monotonic() - started
 
+    def _newest_durable(self) -> StateRecord | None:
+        return max((record for record in self.states if record.durable), key=lambda record: record.step, default=None)
 
-def _older(folder: Path, phase: int) -> list[Path]:
-    """Entries phase-PPPP(.safetensors) of `folder` with PPPP < phase."""
-    found = []
-    for entry in folder.glob("phase-*"):
-        number = re.match(r"phase-(\d+)", entry.name)
-        if number and int(number.group(1)) < phase:
-            found.append(entry)
-    return found
+    def _publish_durable(self) -> None:
+        newest = self._newest_durable()
+        if newest is not None:
+            self.commits.publish(newest.phase, newest.step)
+
+    def _commits_once_written(self, phase: int) -> bool:
+        """Whether a state of `phase` becomes this process's committed state as soon as it is on disk:
+        every process already has a durable state of this phase (or there is one process), and no
+        replica must write the same step first."""
+        return not self.commits.partners and (self.commits.store is None or self.commits.committed >= phase)
+
+    def _removable(self, committed: int | None = None, cut: StateRecord | None = None) -> list[Path]:
+        """What no resume can need once `cut` (default: the newest committed state) is on disk."""
+        if committed is None:
+            committed = self.commits.committed_phase()
+            cut = max((r for r in self.states if r.durable and r.phase == committed and self.commits.partners_reached(r.step)),
+                      key=lambda record: record.step, default=None)
+        if (committed, cut) == self.last_tidied:
+            return []  # nothing new is committed: spare the file system the listings
+        self.last_tidied = (committed, cut)
+        removable = self.retention.removable(self.states, committed, cut)
+        self.states = [record for record in self.states if record.path not in removable]
+        self.inline_states = [path for path in self.inline_states if path not in removable]
+        return removable
 
 
 # ------------------------------------------------------------------------- a process's state

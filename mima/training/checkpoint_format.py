@@ -56,8 +56,12 @@ class CheckpointFiles:
             return RunFolder(self.run_dir).final_file(task)
         return self.root / "segments" / f"phase-{phase:04d}" / f"{task}.safetensors"
 
+    @property
+    def moments_dir(self) -> Path:
+        return self.root / "moments"
+
     def moments(self, phase: int, task: str) -> Path:
-        return self.root / "moments" / f"phase-{phase:04d}" / f"{task}.safetensors"
+        return self.moments_dir / f"phase-{phase:04d}" / f"{task}.safetensors"
 
     def rank_dir(self, rank: int) -> Path:
         return self.root / "ranks" / f"rank-{rank:05d}"
@@ -141,12 +145,13 @@ def cpu_snapshot(obj: object) -> object:
     return obj
 
 
-
-
 def state_writer(tensors: Mapping[str, torch.Tensor]) -> Callable[[Path], None]:
-    """A write job for a flat state dict; the CPU copy is taken now, while the tensors are current."""
-    snapshot = {key: value.detach().to("cpu", copy=True).contiguous() for key, value in tensors.items()}
-    return lambda tmp: save_file(snapshot, str(tmp))
+    """A write job for a flat state dict of PhaseState's tensors, which are never changed in place (a
+    phase's average and end weights are replaced, not updated; kept moments are copied into the
+    optimiser, see mima.training.sync): CPU tensors are written as they are, with no second copy on
+    the training thread; a device tensor is brought to the CPU now (the one copy there must be)."""
+    on_cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+    return lambda tmp: save_file(on_cpu, str(tmp))
 
 
 def saved_states(run_dir: Path, rank: int) -> list[Path]:

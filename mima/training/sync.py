@@ -58,6 +58,18 @@ def _moments_to_cpu(optimizer_state: dict) -> dict:
     }
 
 
+def _moments_for_optimizer(kept: dict, device: torch.device) -> dict:
+    """The optimiser's own copy of a task's kept moments. `Optimizer.load_state_dict` keeps a tensor
+    that is already on the parameters' device (the CPU) and AdamW then updates it in place; the kept
+    ones must stay as they were (the checkpoint writer writes them in the background, uncopied). On
+    a GPU the copy is the transfer to the device that loading makes anyway."""
+    return {
+        param: {name: (value.clone() if name == "step" else value.to(device, copy=True)) if torch.is_tensor(value)
+                else copy.deepcopy(value) for name, value in moments.items()}
+        for param, moments in kept.items()
+    }
+
+
 def _logging_due(every: int, step: int) -> bool:
     """Whether process step `step` (0-based) ends a logging interval (Trainer.log_every_n_steps;
     0: never, only segment ends)."""
@@ -72,7 +84,7 @@ class MimaSyncCallback(Callback):
         stop: the process's side of the stop protocol (default: one that never stops, for a plain
             Trainer that saves no state).
         before_sync: called before the process waits for the others at a sync (`mima fit` passes
-            MimaCheckpoint.flush: this process's states of the phase must be on disk first).
+            none: checkpoint writes go on through the sync, see mima.training.checkpoint_retention).
         sync_merge: the phase-end operator (default: the uniform average, MIMA itself).
     """
 
@@ -245,7 +257,9 @@ class MimaSyncCallback(Callback):
         optimizer.state.clear()
         if pl_module.hparams.optimizer_state == "keep" and next_slot in self.phases.task_moments:
             groups = optimizer.state_dict()["param_groups"]  # keep the scheduler's current lr
-            optimizer.load_state_dict({"state": self.phases.task_moments[next_slot], "param_groups": groups})
+            device = optimizer.param_groups[0]["params"][0].device
+            own = _moments_for_optimizer(self.phases.task_moments[next_slot], device)
+            optimizer.load_state_dict({"state": own, "param_groups": groups})
 
     def _save_final(self, trainer, pl_module, task: str, weights: StateDict) -> None:
         plan, tasks = pl_module.plan, pl_module.tasks

@@ -41,7 +41,7 @@ from mima.config.config_changes import ConfigChanges, compare_configs, refuse_ch
 from mima.config.run_config import config_error_text
 from mima.core.layout import TaskLayout
 from mima.core.run_lock import RunLock
-from mima.training.checkpoint_callback import MimaCheckpoint
+from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
 from mima.training.joint import JointFinalCallback
 from mima.training.module import MimaModule
 from mima.training.phase_state import PhaseState
@@ -79,8 +79,9 @@ class MimaCLI(LightningCLI):
         parser.add_argument(
             "--checkpoint_every", type=str | int, default="segment",
             help="when each process saves its state: 'segment' (every task segment end: at most K steps lost), "
-            "'phase' (only at syncs: fewer files, up to a phase lost), a number n of process steps (also at "
-            "syncs; saves inside a segment hold the encoder and its moments), or 0 (never)",
+            "'phase' or 'K phases' (at every K-th sync: fewer files, up to K phases lost), a number n of process "
+            "steps (also at syncs; saves inside a segment hold the encoder and its moments), a time such as 90s, "
+            "30min or 2h (at the first sync after it has passed), or 0 (never); a stop request always saves",
         )
         parser.add_argument(
             "--keep_checkpoints", type=bool, default=False,
@@ -132,8 +133,8 @@ class MimaCLI(LightningCLI):
             # the layout and the checkpoint to resume, checked before the Trainer prints anything
             self.launch = self.prepare_launch(world_size)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
-        every = checkpoint_schedule(config.get("checkpoint_every"))
-        saving = bool(every) and trainer_config.get("enable_checkpointing") is not False
+        every = SaveSchedule.parse(config.get("checkpoint_every"))
+        saving = every.saves and trainer_config.get("enable_checkpointing") is not False
         stop = StopAgreement(self.run_dir, enabled=saving, timeout_s=config["collective_timeout"])
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(),
                                        config["collective_timeout"], stop)
@@ -152,8 +153,7 @@ class MimaCLI(LightningCLI):
         else:
             hparams = self.model.hparams
             sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
-            mima_callbacks = [MimaSyncCallback(phases, stop, before_sync=self.checkpoint.flush if self.checkpoint else None,
-                                               sync_merge=sync_merge)]
+            mima_callbacks = [MimaSyncCallback(phases, stop, sync_merge=sync_merge)]
         user_callbacks = list(self.config_init["trainer"].get("callbacks") or [])
         kwargs["callbacks"] = user_callbacks + mima_callbacks + ([self.checkpoint] if self.checkpoint else [])
         return super().instantiate_trainer(**kwargs)
@@ -224,17 +224,6 @@ def configured_world_size(trainer_config: Mapping[str, Any]) -> int | None:
     if devices.isdigit() and int(devices) > 0 and nodes.isdigit():
         return int(devices) * int(nodes)
     return None
-
-
-def checkpoint_schedule(every: str | int | None) -> str | int:
-    """--checkpoint_every as MimaCheckpoint takes it ("segment", "phase", n > 0), or 0 for never."""
-    if every in (None, "segment", "phase"):
-        return every or "segment"
-    if isinstance(every, str) and every.isdigit():
-        every = int(every)
-    if not isinstance(every, int) or every < 0:
-        raise MimaError(f"--checkpoint_every must be 'segment', 'phase', a number of steps or 0 (never), got {every!r}")
-    return every
 
 
 def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout:
