@@ -17,7 +17,7 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import HYPERPARAMETERS, get_method
 from mima.merging.iso_cts import subspace_sizes
-from tests.test_merge_strategies import _models as strategy_models
+from tests.helpers import perturbed_models
 
 MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 WIDE = "transformer.resblocks.0.mlp.c_proj.weight"
@@ -29,7 +29,7 @@ NEW_METHODS = ("iso_c", "iso_cts", "wudi", "magmax", "model_stock")
 
 def _models(count: int, seed: int = 0, shapes=SHAPES):
     """theta_0 (with an integer tensor) and `count` perturbed copies (the strategies' own fixture)."""
-    return strategy_models(count, seed, shapes)
+    return perturbed_models(count, seed, shapes)
 
 
 def _taus(base, models, key) -> list[np.ndarray]:

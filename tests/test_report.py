@@ -78,7 +78,7 @@ def test_report_of_an_evaluate_folder(sweep, tmp_path):
     runs/ folder): the report reads it as the README says (the old code refused it: "not a sweep folder")."""
     import shutil
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     evaluation = tmp_path / "eval"
     evaluation.mkdir()
@@ -102,7 +102,7 @@ def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
     import os
     import stat
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     run = _copy_run(sweep / "runs" / "N2", tmp_path / "run")
     modes = {}
@@ -126,7 +126,7 @@ def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
 def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monkeypatch):
     import mima.report
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
     page = tmp_path / "page"
@@ -143,10 +143,10 @@ def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monk
 
 
 def test_report_refuses_an_output_folder_another_job_holds(sweep, tmp_path):
-    from tests.test_run_lock import _holder
+    from tests.helpers import lock_holder
 
     run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
-    holder = _holder(tmp_path / "page")
+    holder = lock_holder(tmp_path / "page")
     try:
         code = main(["report", str(run), "--out", str(tmp_path / "page")])
     finally:
