@@ -89,7 +89,7 @@ def test_folder_tasks_load_with_the_right_classes_splits_and_labels(tmp_path, na
 
 
 def test_folder_task_rejects_an_unknown_class_folder_and_missing_classes(tmp_path):
-    _fake_dtd(tmp_path)
+    FOLDER_TASKS["DTD"](tmp_path)
     tiny_image(tmp_path / "dtd" / "val" / "plaid" / "000.png", seed=1)
     with pytest.raises(MimaError, match=r"DTD \(test\): folder 'plaid' .* is not one of the task's 47 classes"):
         _load("DTD", tmp_path)
@@ -200,7 +200,7 @@ def test_data_check_on_an_empty_root_lists_every_task_as_missing(tmp_path, capsy
 def test_data_check_on_a_partial_root_says_what_is_missing(tmp_path, capsys):
     fake_mnist(tmp_path, train=2, test=2)
     (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
-    _fake_eurosat(tmp_path)
+    FOLDER_TASKS["EuroSAT"](tmp_path)
     for name in clip_text.DTD[:5]:
         (tmp_path / "dtd" / "train" / name).mkdir(parents=True)
     code, out, _ = _check(["--root", tmp_path, "--benchmark", "8"], capsys)
