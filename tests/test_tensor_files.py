@@ -71,7 +71,7 @@ def test_hostile_headers_are_refused_like_the_safetensors_library(tmp_path, case
                 library.get_tensor(key)
     message = _one_line_refusal(path)
     assert "(safetensors: " in message  # the library's reason, wrapped with the file name
-    assert "needs 0 bytes" not in message  # (an offset past the data read as "needs 0 bytes" once)
+    assert "needs 0 bytes" not in message  # (carried over from the `mima merge` copy of this check)
 
 
 def test_deeply_nested_header_is_refused(tmp_path):
