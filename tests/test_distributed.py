@@ -176,17 +176,15 @@ def test_every_process_logs_the_losses_of_its_own_tasks(tmp_path, small_clip):
 @pytest.mark.parametrize("dead_rank", [1, 0])
 def test_a_dead_process_fails_the_job_without_hanging(tmp_path, small_clip, dead_rank):
     config = write_config(tmp_path / "die.yaml", small_clip, TWO, 2, [("KillAtStep", {"step": 5, "rank": dead_rank, "group": False})])
-    started = time.monotonic()
     command = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(tmp_path / "run")]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                            env=job_environment())
-    job.communicate(timeout=120)
+    job.communicate(timeout=120)  # a job that hung would run into collective_timeout (60 s) and past this
     assert job.returncode != 0
     deadline = time.monotonic() + 60
     while _group_alive(job.pid) and time.monotonic() < deadline:  # the other rank must go too
         time.sleep(0.5)
     assert not _group_alive(job.pid), "a process of the job is still running"
-    assert time.monotonic() - started < 150  # well inside collective_timeout (60 s) plus start-up
 
 
 def _group_alive(pgid: int) -> bool:
