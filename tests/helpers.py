@@ -8,6 +8,7 @@ process of the job at once, as a node failure or `scancel` would.
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import os
 import shutil
@@ -98,6 +99,13 @@ def assert_trained(task_models: dict[str, dict[str, torch.Tensor]], theta_0: dic
         assert set(state) == set(theta_0), task
         moved = max(float((state[k].double() - theta_0[k].double()).abs().max()) for k in state)
         assert moved > at_least, f"task {task} moved only {moved:.2e} from theta_0 (at most {at_least:.0e} counts as not trained)"
+
+
+def logged_losses(file: Path) -> list[tuple[int, str, float]]:
+    """(step, task, loss) of every train/loss value in a metrics.csv, in file order."""
+    with file.open() as handle:
+        return [(int(row["step"]), key[len("train/loss/"):], float(value)) for row in csv.DictReader(handle)
+                for key, value in row.items() if key.startswith("train/loss/") and value]
 
 
 # ================================================== the command line in this process: outcome, unchanged files

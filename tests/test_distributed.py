@@ -23,7 +23,7 @@ from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
 from mima.training.sync_merge import SyncMerge
 from tests.helpers import (FOUR, ITERATIONS, REPO, STEPS, TWO, assert_identical, assert_trained, finals, job_environment,
-                           run_job, write_config)
+                           logged_losses, run_job, write_config)
 
 
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
@@ -225,13 +225,6 @@ def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, referen
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(tmp_path / "new"), "--ckpt_path",
                                     str(out / CHECKPOINTS)])
     assert "resumes in its own folder" in line
-
-
-def logged_losses(file: Path) -> list[tuple[int, str, float]]:
-    """(step, task, loss) of every train/loss value in a metrics.csv, in file order."""
-    with file.open() as handle:
-        return [(int(row["step"]), key[len("train/loss/"):], float(value)) for row in csv.DictReader(handle)
-                for key, value in row.items() if key.startswith("train/loss/") and value]
 
 
 def test_a_resumed_run_keeps_the_log_from_before_it(tmp_path, small_clip):
