@@ -37,7 +37,7 @@ import torch
 
 from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
-from mima.core.files import publish_folder, remove_folders, stage_folder
+from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
 from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.core.run_lock import RunLock
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
@@ -507,8 +507,10 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, merges: Sequence[str], sele
             phases.setdefault(int(run_config.model.iterations), run.phase_records())  # the first run of each N
         plot_cosine_vs_n(pairwise, phases, staged.plot_file(SweepFolder.COSINE_PLOT))
         publish_folder(staging, out_dir, overwrite=True)
-    except BaseException:
+    except BaseException as exc:
         remove_folders(created)
+        if isinstance(exc, Exception):  # a refused write names the output folder, not the staging one
+            raise write_error(exc, out_dir, staging) from None
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

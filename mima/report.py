@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mima.core.errors import MimaError
 from mima.core.files import atomic_folder, refuse_overwrite
-from mima.core.run_folder import RunFolder, SweepFolder
+from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.evaluation.results_files import read_results
 from mima.evaluation.tables import markdown_table, n_table, summary_table
 from mima.config.run_config import load_run_config
@@ -233,10 +233,13 @@ def checkpoints_section(page: Page, runs: list[Path], at: Path) -> None:
     rows = []
     for run in runs:
         folder = RunFolder(run)
-        try:
-            tasks = folder.task_order()
-        except MimaError:
-            continue
+        if folder.is_joint():  # one model for all tasks
+            tasks = [JOINT]
+        else:
+            try:
+                tasks = folder.task_order()
+            except MimaError:
+                continue
         files = [folder.pretrained_file] + [folder.final_file(t) for t in tasks]
         cells = [f"{link(f, at, f.stem)} ({_size(f)})" for f in files if f.is_file()]
         rows.append([link(run, at, run.name), ", ".join(cells)])

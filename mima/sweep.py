@@ -40,7 +40,8 @@ def run_sweep(
 ) -> list[ModelResult]:
     """Fit `config` (a `mima fit` config dict) once per N in `iterations` (runs in the sweep folder's
     runs/N<n>), and with `joint` once more as the joint multi-task baseline (runs/joint: one model
-    trained on all tasks for the same S steps), then `evaluate_runs`."""
+    trained on all tasks for the same S steps), then `evaluate_runs`. Runs already in the folder
+    are resumed (finished ones kept) unless `overwrite`, which trains them anew."""
     started = time.time()
     model = load_run_config(config).model  # checked and defaulted as `mima fit` would
     steps = int(model.steps)
@@ -61,7 +62,11 @@ def run_sweep(
         run_config = copy.deepcopy(dict(config))
         run_config["model"] = {**run_config.get("model", {}), **model_settings}
         run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
-        run_config.update(out=str(run_folder.path), overwrite=True)
+        run_config.update(out=str(run_folder.path), overwrite=overwrite)
+        if not overwrite and run_folder.config_file.is_file():
+            # the same command again after a stop: each run resumes where it stopped (a finished one
+            # is kept as it is; a changed config is refused), and evaluation goes on from its cells
+            run_config["ckpt_path"] = "last"
         run_dirs.append(run_fit(run_config).run_dir)
         print(f"{label}: trained in {time.time() - run_started:.0f} s")
     return evaluate_runs(

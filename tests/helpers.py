@@ -1,5 +1,6 @@
 """Helpers several test files share (no test file imports another: tests/test_architecture.py checks
-it), and the fault injection that `mima fit` subprocesses load by class path (`tests.helpers.KillAtStep`).
+it), the fault injection that `mima fit` subprocesses load by class path (`tests.helpers.KillAtStep`),
+and a file size limit for any subprocess.
 
 The distributed tests start each job in its own process group, so killing the group kills every
 process of the job at once, as a node failure or `scancel` would.
@@ -407,10 +408,11 @@ class KillAtStep(Callback):
     Checkpoints are written in the background, so a kill one step after a save would race the
     writer. With `group=True` every rank therefore first waits, at its own step `step`, until its
     earlier saves are on disk and says so with a file; the killing rank waits for all of them. (Ranks
-    are not in lockstep between syncs, but each reaches step `step` before the next sync.)"""
+    are not in lockstep between syncs, but each reaches step `step` before the next sync.) With
+    `wait_for_others=False` the killing rank does not wait: for ranks that start past `step`."""
 
-    def __init__(self, step: int, rank: int = 0, group: bool = True) -> None:
-        self.step, self.rank, self.group = step, rank, group
+    def __init__(self, step: int, rank: int = 0, group: bool = True, wait_for_others: bool = True) -> None:
+        self.step, self.rank, self.group, self.wait_for_others = step, rank, group, wait_for_others
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self.step:
@@ -424,7 +426,7 @@ class KillAtStep(Callback):
         if trainer.global_rank != self.rank:
             return
         if self.group:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + (120 if self.wait_for_others else 0)
             while time.monotonic() < deadline and not all(
                 (Path(trainer.default_root_dir) / f".settled-{rank}").exists() for rank in range(trainer.world_size)
             ):
@@ -507,3 +509,13 @@ class WaitForFileAtStep(Callback):
         deadline = time.monotonic() + self.timeout
         while not self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def file_size_limit(limit_bytes: int):
+    """preexec_fn of a subprocess: it may write no file beyond `limit_bytes` (RLIMIT_FSIZE), so a write
+    fails as a full disk's would, at a size the test chooses."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply

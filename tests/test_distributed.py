@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,11 +30,15 @@ from tests.helpers import (FOUR, ITERATIONS, REPO, STEPS, TWO, assert_identical,
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
 
 
+REFERENCE_RUNS: dict[tuple[int, tuple[str, ...]], Path] = {}  # (devices, tasks) -> the reference run's folder
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_clip):
     """Uninterrupted runs, computed once per (devices, tasks)."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("reference")
+    REFERENCE_RUNS.clear()
 
     def get(devices: int, tasks: list[str]):
         key = (devices, tuple(tasks))
@@ -42,6 +47,7 @@ def reference(tmp_path_factory, small_clip):
             result = run_job(write_config(root / f"w{devices}-{len(tasks)}.yaml", small_clip, tasks, devices), out)
             assert result.returncode == 0, result.stderr[-3000:]
             cache[key] = finals(out, tasks)
+            REFERENCE_RUNS[key] = out
         return cache[key]
 
     return get
@@ -216,9 +222,10 @@ def test_bad_distributed_input_is_one_line(tmp_path, small_clip, capsys, referen
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
                                     "--data.tasks", "[rot90, rot180]"])
     assert "tasks=['rot90', 'mirror']" in line
+    # one process per task -> two per task (they would split each batch): refused, naming the W that can resume
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path", "last",
-                                    "--trainer.devices", "1"])
-    assert "world_size=2" in line and "world_size=1" in line
+                                    "--trainer.devices", "4"])
+    assert "written by 2 processes (1 per task)" in line and "has 4 (2 per task)" in line and "use 1 .. 2 processes" in line
     line = _one_line_error(capsys, ["fit", "--config", str(two), "--out", str(out), "--ckpt_path",
                                     str(tmp_path / "nope.ckpt")])
     assert "nope.ckpt: no such checkpoint" in line
@@ -381,6 +388,63 @@ def test_augmented_per_image_runs_are_bit_identical_after_a_kill_and_at_two_proc
     two = run_job(_folder_config(tmp_path / "two.yaml", small_clip, tmp_path / "data", 2, 1), tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
     assert_identical(finals(tmp_path / "two", tasks), reference)
+
+
+# ---------------------------------------------------------------- elastic resume: another W on resume
+@pytest.mark.parametrize(
+    "stop_devices, stop_step, resume_devices, finished_before",
+    [
+        # rank 0 stops inside its second task (rot270); rank 1 stops where it sees RUN/STOP: before or
+        # after finishing rot180 (processes are not in lockstep between syncs)
+        (2, 12, 1, {1, 2}),
+        (2, 12, 3, {1, 2}),  # with rot180 finished, rank 1 of W = 3 (rot180 only) resumes at its sync
+        (1, 20, 2, {2}),  # the one process is inside its third task (rot270): rot90 and rot180 are kept
+    ],
+)
+def test_a_run_stopped_at_one_w_resumes_at_another_and_ends_bit_identical(
+        tmp_path, small_clip, reference, stop_devices, stop_step, resume_devices, finished_before):
+    out = tmp_path / "run"
+    stopped = run_job(write_config(tmp_path / "stop.yaml", small_clip, FOUR, stop_devices,
+                                   [("TouchStopAtStep", {"step": stop_step})]), out)
+    assert stopped.returncode == 0 and "stopped by" in stopped.stdout, stopped.stderr[-3000:]
+    assert not (out / "final").exists()
+    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, resume_devices), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    process = "process" if stop_devices == 1 else "processes"
+    line = re.search(rf"elastic resume: the cut saved by {stop_devices} {process} is dealt to {resume_devices}; "
+                     r"phase 1 of 3: (\d) of 4 task segments finished", resumed.stdout)
+    assert line and int(line.group(1)) in finished_before, resumed.stdout[-3000:]
+    # the uninterrupted run (the same at any W <= T: test_one_two_and_four_processes_write_the_same_task_models)
+    expected = reference(1, FOUR)
+    assert_identical(finals(out, FOUR), expected)
+    pretrained = load_state_dict(out / "pretrained.safetensors")
+    assert all(any(not torch.equal(expected[task][k], pretrained[k]) for k in pretrained) for task in FOUR)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == [1, 2, 3]
+    assert [len(r["wait_s"]) for r in records] == [resume_devices] * 3  # phase 1's sync ran on the new layout
+    whole = [json.loads(line) for line in (REFERENCE_RUNS[(1, tuple(FOUR))] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == [r["loss"] for r in whole]  # kept loss sums of the finished segments
+
+
+def test_an_elastic_resume_that_dies_resumes_again_from_the_set_aside_states(tmp_path, small_clip, reference):
+    """W = 2 -> 3 moves the W = 2 states out of checkpoints/ranks/; killed before W = 3 has a cut of its
+    own, the next resume (at W = 2 again) still finds them and ends bit-identical."""
+    out = tmp_path / "run"
+    stopped = run_job(write_config(tmp_path / "stop.yaml", small_clip, FOUR, 2, [("TouchStopAtStep", {"step": 12})]), out)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    # rank 2 of W = 3 (rot270 only) kills the job 4 steps in, before any process of W = 3 has saved
+    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 3,
+                                  [("KillAtStep", {"step": 4, "rank": 2, "wait_for_others": False})]),
+                     out, "--ckpt_path", "last")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "elastic resume" in killed.stdout
+    assert sorted(p.parent.parent.name for p in (out / CHECKPOINTS / "layouts").glob("*/rank-*/*.ckpt")) == ["w00002"] * 4
+    again = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, 2), out, "--ckpt_path", "last")
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed_steps = re.search(r"resuming from process steps (\d+), (\d+)", again.stdout)
+    assert resumed_steps and "12" in resumed_steps.groups(), again.stdout[-3000:]  # rank 0's stop; rank 1 where it saw it
+    assert "elastic resume:" not in again.stdout
+    assert_identical(finals(out, FOUR), reference(1, FOUR))
 
 
 def test_resuming_a_finished_run_removes_its_leftover_checkpoints(tmp_path, small_clip):

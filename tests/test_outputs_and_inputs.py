@@ -21,6 +21,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import file_size_limit
 import torch
 
 from mima.cli import main
@@ -272,16 +274,6 @@ def test_convert_walks_a_shallow_crafted_tree_in_state_dict_order(tmp_path, modu
 
 
 # ======================================================================= a write that the disk refuses
-def _limited(limit_bytes: int):
-    """preexec_fn: the child may write no file beyond `limit_bytes` (RLIMIT_FSIZE): the write fails
-    as a full disk's would, at a size the test chooses."""
-    import resource
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-    return apply
-
-
 @pytest.mark.parametrize("limit", [4096, 200_000])
 def test_a_merge_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, limit):
     generator = torch.Generator().manual_seed(0)
@@ -292,7 +284,7 @@ def test_a_merge_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, limit
     output = tmp_path / "out" / "merged.safetensors"
     result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "uniform", "--models", *map(str, models),
                              "--output", str(output)], cwd=REPOSITORY, capture_output=True, text=True,
-                            preexec_fn=_limited(limit))
+                            preexec_fn=file_size_limit(limit))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     assert "File too large" in lines[0] and "ulimit -f" in lines[0]

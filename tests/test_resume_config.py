@@ -98,22 +98,29 @@ def test_a_harmless_change_is_accepted_recorded_and_gives_the_same_weights(whole
     assert not temporaries(stopped_run)
 
 
-def test_a_different_number_of_processes_is_still_refused(stopped_run, small_clip, tmp_path, capfd):
-    """trainer.devices may change only where the layout check passes; without elastic resume, that is the same W."""
+def test_a_number_of_processes_that_changes_the_processes_per_task_is_refused(stopped_run, small_clip, tmp_path, capfd):
+    """trainer.devices may change where each task keeps its number of processes (elastic resume,
+    tests/test_distributed.py); 1 -> 4 processes on two tasks would split each task's batch."""
     with unchanged(tmp_path):
-        result = cli(fit_argv(small_clip, stopped_run, ckpt_path="last", **{"trainer.devices": "2"}), capfd)
-    assert_one_line(result.code, result.err, "world_size=1", "world_size=2")
+        result = cli(fit_argv(small_clip, stopped_run, ckpt_path="last", **{"trainer.devices": "4"}), capfd)
+    assert_one_line(result.code, result.err, "written by 1 process (1 per task)", "has 4 (2 per task)")
 
 
-def test_a_layout_change_with_the_same_number_of_processes_is_harmless():
+def test_a_layout_change_that_keeps_the_processes_per_task_is_harmless():
+    from functools import partial
+
     from mima.config.config_changes import compare_configs
     from mima.training.trainer import _same_layout
 
+    four_tasks, two_tasks = partial(_same_layout, num_tasks=4), partial(_same_layout, num_tasks=2)
     stored = {"trainer": {"devices": 2, "num_nodes": 1}, "model": {"lr": 0.1}}
     moved = {"trainer": {"devices": 1, "num_nodes": 2}, "model": {"lr": 0.1}}
-    changes = compare_configs(stored, moved, _same_layout)
+    changes = compare_configs(stored, moved, two_tasks)
     assert changes.refused == {} and set(changes.harmless) == {"trainer.devices", "trainer.num_nodes"}
     grown = {"trainer": {"devices": 4, "num_nodes": 1}, "model": {"lr": 0.1}}
-    assert set(compare_configs(stored, grown, _same_layout).refused) == {"trainer.devices"}
+    assert compare_configs(stored, grown, four_tasks).refused == {}  # 2 -> 4 processes, one per task
+    assert set(compare_configs(stored, grown, two_tasks).refused) == {"trainer.devices"}  # two per task
+    auto = {"trainer": {"devices": "auto", "num_nodes": 1}, "model": {"lr": 0.1}}
+    assert set(compare_configs(stored, auto, four_tasks).refused) == {"trainer.devices"}  # not known before the launch
     # a key this version does not know is not assumed harmless
-    assert set(compare_configs(stored, {**stored, "trainer": {**stored["trainer"], "precision": "bf16"}}, _same_layout).refused) == {"trainer.precision"}
+    assert set(compare_configs(stored, {**stored, "trainer": {**stored["trainer"], "precision": "bf16"}}, two_tasks).refused) == {"trainer.precision"}

@@ -14,7 +14,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mima.core.files import publish_folder, refuse_overwrite, remove_folders, stage_folder, write_json_atomic
+from mima.core.files import (publish_folder, refuse_overwrite, remove_folders, stage_folder, write_error,
+                             write_json_atomic)
 from mima.core.run_folder import RunFolder, SweepFolder
 
 
@@ -63,10 +64,14 @@ def staged_outputs(command: str = "mima analyze") -> Iterator[None]:
             yield
         for staging, target, overwrite, _ in session.folders:
             publish_folder(staging, target, overwrite, lock=command)
-    except BaseException:
+    except BaseException as exc:
         for staging, _, _, created in session.folders:
             shutil.rmtree(staging, ignore_errors=True)
             remove_folders(created)
+        if isinstance(exc, Exception):  # a refused write names the output, not the temporary folder
+            for staging, target, _, _ in session.folders:
+                if (named := write_error(exc, target, staging)) is not exc:
+                    raise named from None
         raise
     finally:
         _SESSIONS.remove(session)

@@ -12,6 +12,10 @@ step that puts the file in place (`place_noreplace`: a hard link, which fails if
 `renameat2(RENAME_NOREPLACE)` where the filesystem takes no hard links): of two commands writing the
 same new output, one wins and the other is refused, and neither file is ever replaced silently.
 `atomic_folder` does the same for a set of files written together (a report, an analysis).
+
+A write the system refuses (a full disk, a file size limit, a read-only folder) is raised as an
+OSError naming the file the user asked for, not the temporary one (`write_error`), so the command's
+one-line error says which output could not be written.
 """
 
 from __future__ import annotations
@@ -89,9 +93,35 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = True, fsync: bool = T
             os.replace(tmp, target)
         else:  # the refusal above was made before the work: another writer may have come since
             place_noreplace(tmp, target)
+    except Exception as exc:
+        raise write_error(exc, target, tmp) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_error(exc: Exception, target: Path, temporary: Path) -> Exception:
+    """The error to raise for `exc`, raised while `target` was written through `temporary` (a file, or
+    a staging folder standing for the folder `target`): a refused write becomes an OSError naming
+    `target` (or the file under it), which the user can act on; anything else is returned as it is.
+    Libraries that wrap the system's error in their own type (safetensors) are recognised by the
+    system's message in theirs."""
+    if isinstance(exc, OSError):
+        code, message, name = exc.errno, exc.strerror, exc.filename
+    else:
+        code = next((code for code in STORAGE_ERRNOS if os.strerror(code) in str(exc)), None)
+        message, name = (os.strerror(code) if code else None), None
+    if code not in STORAGE_ERRNOS:
+        return exc
+    if name is None or Path(name) == temporary:
+        return OSError(code, message, str(target))
+    try:
+        return OSError(code, message, str(target / Path(name).relative_to(temporary)))
+    except ValueError:  # a file outside the temporary one: its own name says it
+        return exc
 
 
 def place_noreplace(source: Path, target: Path) -> None:
@@ -153,9 +183,11 @@ def atomic_folder(folder: str | os.PathLike, names: Iterable[str] | None = None,
     try:
         yield staging
         publish_folder(staging, target, overwrite, lock)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         remove_folders(created)
+        if isinstance(exc, Exception):
+            raise write_error(exc, target, staging) from None
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -113,10 +113,19 @@ class CellStore:
         """Append the cell to this process's file and force it to disk before going on."""
         line = json.dumps({"cell": cell.as_list(), "value": value}) + "\n"
         self.own_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.own_file, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        data = line.encode("utf-8")
+        handle = os.open(self.own_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(handle).st_size
+            rest = memoryview(data)
+            while rest:  # a write cut short by a full disk or a file size limit: the next one says why
+                rest = rest[os.write(handle, rest):]
+            os.fsync(handle)
+        except OSError as error:  # no cut line left behind, and the file named
+            os.ftruncate(handle, size)
+            raise OSError(error.errno, error.strerror, str(self.own_file)) from None
+        finally:
+            os.close(handle)
         self.values[cell] = value
 
     def missing(self, cells: Iterable[Cell]) -> list[Cell]:

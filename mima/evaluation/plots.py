@@ -42,9 +42,9 @@ def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
     axis.set_ylabel("average test accuracy over tasks (%)")
     axis.set_title("Merged-model accuracy vs N")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    # below the axes: inside, the legend covered the zero-shot and fine-tuned points it explains
+    axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 

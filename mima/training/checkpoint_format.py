@@ -10,6 +10,8 @@
                                              state) with the tensors above replaced by references:
                                              a few KB at a segment boundary; saved inside a segment
                                              it holds the working encoder and its moments itself
+      layouts/wWWWWW/rank-RRRRR/...          states of a layout of W processes, set aside when a run
+                                             resumed on another W (elastic resume)
 
 A reference is a small dict {REF: path relative to the run folder, "kind": ...}; `expand` puts the
 tensors of the files back. When each file is written and removed: mima.training.checkpoint_callback;
@@ -59,6 +61,11 @@ class CheckpointFiles:
 
     def rank_dir(self, rank: int) -> Path:
         return self.root / "ranks" / f"rank-{rank:05d}"
+
+    def set_aside_dir(self, world_size: int, rank_dir_name: str) -> Path:
+        """Where states written by a layout of `world_size` processes go once a run resumes with
+        another W (mima.training.elastic.set_aside): out of ranks/, still read by a later resume."""
+        return self.root / "layouts" / f"w{world_size:05d}" / rank_dir_name
 
     def state(self, rank: int, phase: int, step: int) -> Path:
         return self.rank_dir(rank) / f"phase-{phase:04d}-step-{step:08d}.ckpt"

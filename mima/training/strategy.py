@@ -32,7 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
 from mima.training.checkpoint_format import expand
+from mima.training.elastic import redealt_state, set_aside
 from mima.training.preemption import StopAgreement, stop_store
+from mima.training.resume import ResumeCut
 
 
 class MimaStrategy(DDPStrategy):
@@ -55,7 +57,7 @@ class MimaStrategy(DDPStrategy):
         self.stop = stop
         self.layout: TaskLayout | None = None
         self.task_group = None
-        self.resume_states: dict[int, Path] | None = None  # rank -> state file, set by `mima fit`
+        self.resume_states: ResumeCut | None = None  # rank -> state file (mima.training.resume), set by `mima fit`
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
@@ -106,12 +108,25 @@ class MimaStrategy(DDPStrategy):
         raise MimaError("mima saves checkpoints with MimaCheckpoint (each process its own); trainer.save_checkpoint is not supported")
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """This process's state of the cut chosen by `mima fit`, with its file references resolved."""
-        if not self.resume_states or self.global_rank not in self.resume_states:
-            raise MimaError(f"--ckpt_path {checkpoint_path}: no state chosen for process {self.global_rank}")
+        """This process's state of the cut chosen by `mima fit`, with its file references resolved; a
+        cut saved by another number of processes is re-dealt (mima.training.elastic). Every process
+        loads here, so states of other layouts are set aside only once all have loaded theirs."""
+        cut = self.resume_states
         run_dir = Path(checkpoint_path).parent
-        state = torch.load(self.resume_states[self.global_rank], map_location="cpu", weights_only=True)
-        return expand(state, run_dir)
+        redeal = getattr(cut, "redeal", None)
+        if redeal is not None:
+            state = redealt_state(redeal, self.global_rank, run_dir, self.lightning_module,
+                                  self.lightning_module.trainer.accumulate_grad_batches)
+        elif not cut or self.global_rank not in cut:
+            raise MimaError(f"--ckpt_path {checkpoint_path}: no state chosen for process {self.global_rank}")
+        else:
+            state = expand(torch.load(cut[self.global_rank], map_location="cpu", weights_only=True), run_dir)
+        if getattr(cut, "set_aside", None):
+            self.barrier("mima: every process has loaded its state")
+            if self.global_rank == 0:
+                set_aside(run_dir, cut.set_aside)
+            self.barrier("mima: other layouts set aside")
+        return state
 
     def remove_checkpoint(self, filepath) -> None:
         pass  # MimaCheckpoint removes what it no longer needs

@@ -112,7 +112,7 @@ class MimaSyncCallback(Callback):
             RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
         if self.phases.pending_sync:
             step = trainer.global_step - 1
-            if not self._sync(trainer, pl_module, pl_module.plan.position(step).phase, step + 1):
+            if not self._sync(trainer, pl_module, pl_module.plan.position(step).phase, step + 1, resumed=True):
                 raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
 
     # ------------------------------------------------------------------------ each step
@@ -146,8 +146,9 @@ class MimaSyncCallback(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._log_step_losses(trainer, pl_module)  # a run stopped inside a segment: its last steps' losses
 
-    def _sync(self, trainer, pl_module, phase: int, global_step: int) -> bool:
-        """Agree with the other processes, then average; False (sync left pending) on a stop."""
+    def _sync(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> bool:
+        """Agree with the other processes, then average; False (sync left pending) on a stop.
+        `resumed`: the pending sync of a resumed run, run from on_train_start."""
         if self.before_sync is not None:
             self.before_sync()
         if not self.stop.at_sync(phase):
@@ -157,7 +158,7 @@ class MimaSyncCallback(Callback):
         if self.stop.waits:
             for logger in trainer.loggers:
                 logger.log_metrics({"sync/wait_s": self.stop.waits[-1]}, step=global_step - 1)
-        self._end_phase(trainer, pl_module, phase, global_step)
+        self._end_phase(trainer, pl_module, phase, global_step, resumed)
         self._load_into_encoder(pl_module, self.phases.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=0)
         return True
@@ -188,7 +189,7 @@ class MimaSyncCallback(Callback):
         if position.phase == plan.iterations - 1 and is_leader:
             self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.phases.segment_ends[position.slot])
 
-    def _end_phase(self, trainer, pl_module, phase: int, global_step: int) -> None:
+    def _end_phase(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> None:
         plan, layout = pl_module.plan, pl_module.layout
         keys = list(self.phases.avg)
         diagnostic_keys = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
@@ -218,8 +219,13 @@ class MimaSyncCallback(Callback):
             "loss": {plan.tasks[task]: value for task, value in losses.items()},
             "wait_s": [round(waits[rank], 4) for rank in sorted(waits)],  # per process, before this sync
         }
-        pl_module.log("mima/mean_cos_tau", record["mean_cos_tau"], on_step=True, on_epoch=False)
-        pl_module.log("mima/mean_cos_delta", record["mean_cos_delta"], on_step=True, on_epoch=False)
+        diagnostics = {"mima/mean_cos_tau": record["mean_cos_tau"], "mima/mean_cos_delta": record["mean_cos_delta"]}
+        if resumed:  # Lightning refuses self.log in on_train_start: straight to the loggers
+            for logger in trainer.loggers:
+                logger.log_metrics(diagnostics, step=global_step - 1)
+        else:
+            for name, value in diagnostics.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False)
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).append_phase_record(record)
         self.phases.segment_ends.clear()

@@ -47,7 +47,8 @@ from mima.training.module import MimaModule
 from mima.training.phase_state import PhaseState
 from mima.training.preemption import StopAgreement
 from mima.training.rank_logger import rank_loggers
-from mima.training.resume import log_resume, resolve_resume, run_identity
+from mima.training.elastic import check_world_size
+from mima.training.resume import ResumeCut, log_resume, resolve_resume, run_identity
 from mima.training.strategy import MimaStrategy
 from mima.core.plan import phase_lengths
 from mima.training.sync import MimaSyncCallback
@@ -174,7 +175,7 @@ class MimaCLI(LightningCLI):
         changes = self.check_resumed_config(resume_states)
         return Launch(layout, identity, resume_states, notes, changes)
 
-    def check_resumed_config(self, resume_states: dict[int, Path] | None) -> ConfigChanges | None:
+    def check_resumed_config(self, resume_states: ResumeCut | None) -> ConfigChanges | None:
         """A resume goes on with the config its run was trained with: compare the stored config.yaml
         with this command's config and refuse, in one line, any change that would alter the weights
         (mima.config.config_changes). Read before anything is written, by every process alike (only
@@ -188,7 +189,7 @@ class MimaCLI(LightningCLI):
             return None
         stored = run.config_dict()
         new = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
-        changes = compare_configs(stored, new, _same_layout)
+        changes = compare_configs(stored, new, lambda before, after: _same_layout(before, after, self.num_tasks()))
         refuse_changes(changes, str(run.config_file))
         return changes
 
@@ -199,17 +200,22 @@ class Launch:
 
     layout: TaskLayout
     identity: dict  # what a saved state must agree on to be resumed (mima.training.resume)
-    resume_states: dict[int, Path] | None  # rank -> state file of the cut to resume; None: a fresh start
+    resume_states: ResumeCut | None  # rank -> state file of the cut to resume; None: a fresh start
     notes: list[str]  # files the resume passed over, and why
     config_changes: ConfigChanges | None = None  # a resume's accepted changes to config.yaml (recorded in the run)
 
 
-def _same_layout(stored: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Whether a resume may change trainer.devices / num_nodes: while elastic resume is not there, only
-    when the number of processes stays the same (both plain numbers)."""
+def _same_layout(stored: Mapping[str, Any], new: Mapping[str, Any], num_tasks: int) -> bool:
+    """Whether a resume may change trainer.devices / num_nodes: when both give a plain number of
+    processes and each task keeps its number of processes (elastic resume, mima.training.elastic)."""
     before = configured_world_size(stored.get("trainer") or {})
     after = configured_world_size(new.get("trainer") or {})
-    return before is not None and before == after
+    if before is None or after is None:
+        return False
+    try:
+        return check_world_size(num_tasks, before, after, raise_error=False) is None
+    except MimaError:  # a W that does not fit the tasks at all: refused by the layout check
+        return False
 
 
 def configured_world_size(trainer_config: Mapping[str, Any]) -> int | None:

@@ -21,7 +21,9 @@ import numpy as np
 
 from mima.core.errors import MimaError
 
-MAX_HEATMAP_PHASES = 6
+# phases drawn side by side in the heatmap figure: a report page shows it about 900 px wide, and with
+# six columns the numbers in its cells shrank to about 5 px there
+MAX_HEATMAP_PHASES = 4
 
 
 @dataclass

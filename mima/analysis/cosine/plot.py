@@ -18,7 +18,7 @@ from mima.analysis.figures import plt, save_figure
 def plot_heatmaps(run: RunCosines, path: Path) -> None:
     chosen = [run.phases[i] for i in heatmap_phases(len(run.phases))]
     size = len(run.tasks)
-    figure, axes = plt.subplots(2, len(chosen), figsize=(2.6 * len(chosen) + 1.2, 5.6), squeeze=False)
+    figure, axes = plt.subplots(2, len(chosen), figsize=(2.4 * len(chosen) + 1.2, 5.6), squeeze=False)
     image = None
     for column, phase in enumerate(chosen):
         for row, (name, matrix) in enumerate((("tau", phase.cos_tau), ("delta", phase.cos_delta))):
@@ -27,7 +27,7 @@ def plot_heatmaps(run: RunCosines, path: Path) -> None:
             if size <= 8:  # the numbers stay readable only for small T
                 for i in range(size):
                     for j in range(size):
-                        axis.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=7)
+                        axis.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=9 if size <= 5 else 7)
             labels = run.tasks if size <= 10 else [str(i) for i in range(size)]
             axis.set_xticks(range(size), labels, rotation=90, fontsize=7)
             axis.set_yticks(range(size), labels if column == 0 else [], fontsize=7)
@@ -46,12 +46,15 @@ def plot_phase_boxes(runs: Sequence[RunCosines], path: Path) -> None:
         tau = [off_diagonal(p.cos_tau) for p in run.phases]
         delta = [off_diagonal(p.cos_delta) for p in run.phases]
         width = 0.35
-        boxes_tau = axis.boxplot(tau, positions=positions - 0.2, widths=width, patch_artist=True)
-        boxes_delta = axis.boxplot(delta, positions=positions + 0.2, widths=width, patch_artist=True)
-        for boxes, colour in ((boxes_tau, "tab:blue"), (boxes_delta, "tab:orange")):
-            for patch in boxes["boxes"]:
-                patch.set_facecolor(colour)
-                patch.set_alpha(0.5)
+        # each series drawn entirely in its own colour (outline, whiskers, caps, outliers), the median
+        # in black: with matplotlib's default orange median a collapsed tau box looked like a delta box
+        boxes_tau, boxes_delta = (
+            axis.boxplot(values, positions=positions + shift, widths=width, patch_artist=True,
+                         boxprops={"facecolor": colour, "edgecolor": colour, "alpha": 0.6},
+                         whiskerprops={"color": colour}, capprops={"color": colour},
+                         flierprops={"markeredgecolor": colour, "marker": marker},
+                         medianprops={"color": "black", "linewidth": 1.2})
+            for values, shift, colour, marker in ((tau, -0.2, "tab:blue", "o"), (delta, 0.2, "tab:orange", "x")))
         axis.set_xticks(positions, [str(p.phase) for p in run.phases])
         axis.set_xlabel(f"phase (K = {run.phases[0].step} steps each)")
         axis.set_ylabel("pairwise cosine")
