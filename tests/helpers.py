@@ -1,21 +1,407 @@
-"""Fault injection for the tests: callbacks loaded into `mima fit` subprocesses by class path, and a
-file size limit for any subprocess.
+"""Helpers several test files share (no test file imports another: tests/test_architecture.py checks
+it), the fault injection that `mima fit` subprocesses load by class path (`tests.helpers.KillAtStep`),
+and a file size limit for any subprocess.
 
-The test starts each job in its own process group, so killing the group kills every process of
-the job at once, as a node failure or `scancel` would.
+The distributed tests start each job in its own process group, so killing the group kills every
+process of the job at once, as a node failure or `scancel` would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import hashlib
 import json
 import os
+import shutil
 import signal
+import struct
+import subprocess
+import sys
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
+from PIL import Image
+from torch import nn
+from torch.func import functional_call
+
+from mima.core.safetensors_io import load_state_dict
+from mima.core.subsets import first_examples
+from mima.data import clip_text
+from mima.data.clip_tasks import SUN397_FOLDERS
+from tests.conftest import fit_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
+# ====================================================== `mima fit` jobs in subprocesses (real processes, gloo)
+TWO = ["rot90", "mirror"]
+FOUR = ["rot90", "rot180", "rot270", "mirror"]
+STEPS, ITERATIONS = 24, 3  # K = 8
+
+
+def write_config(path: Path, clip: str, tasks: list[str], devices: int, callbacks=(), strategy=None,
+                 model: dict | None = None) -> Path:
+    config = {
+        "seed_everything": 0,
+        "threads_per_process": 1,
+        "collective_timeout": 60,
+        "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2, **(model or {})},
+        "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": devices,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+            "callbacks": [{"class_path": f"tests.helpers.{name}", "init_args": args} for name, args in callbacks],
+        },
+    }
+    if strategy:
+        config["trainer"]["strategy"] = {"class_path": f"tests.helpers.{strategy[0]}", "init_args": strategy[1]}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def job_environment() -> dict[str, str]:
+    """This process's environment without what a launcher (or an earlier in-process fit) set."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"PYTHONUNBUFFERED": "1"}
+
+
+def run_job(config: Path, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(out), *extra]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True, env=job_environment())
+
+
+def finals(out: Path, tasks: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    return {task: load_state_dict(out / "final" / f"{task}.safetensors") for task in tasks}
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    for task in a:
+        for key in a[task]:
+            assert torch.equal(a[task][key], b[task][key]), (task, key)
+
+
+def assert_trained(task_models: dict[str, dict[str, torch.Tensor]], theta_0: dict[str, torch.Tensor],
+                   at_least: float) -> None:
+    """Every task model moved more than `at_least` (largest entry) from theta_0: a comparison of two
+    runs' task models is then not equal merely because neither trained."""
+    for task, state in task_models.items():
+        assert set(state) == set(theta_0), task
+        moved = max(float((state[k].double() - theta_0[k].double()).abs().max()) for k in state)
+        assert moved > at_least, f"task {task} moved only {moved:.2e} from theta_0 (at most {at_least:.0e} counts as not trained)"
+
+
+def logged_losses(file: Path) -> list[tuple[int, str, float]]:
+    """(step, task, loss) of every train/loss value in a metrics.csv, in file order."""
+    with file.open() as handle:
+        return [(int(row["step"]), key[len("train/loss/"):], float(value)) for row in csv.DictReader(handle)
+                for key, value in row.items() if key.startswith("train/loss/") and value]
+
+
+# ================================================== the command line in this process: outcome, unchanged files
+@dataclass
+class Outcome:
+    code: int
+    out: str
+    err: str
+
+
+def cli(argv, capfd) -> Outcome:
+    """`mima ARGV` in this process; stdout and stderr at the file-descriptor level (capfd), so that
+    output written below Python's sys.stderr is seen too."""
+    from mima.cli import main
+
+    capfd.readouterr()
+    code = main([str(arg) for arg in argv])
+    captured = capfd.readouterr()
+    return Outcome(code, captured.out, captured.err)
+
+
+def assert_one_line(code: int, err: str, *fragments: str, status: int = 2) -> str:
+    """Exit `status`, exactly one line on stderr holding every fragment, and no traceback."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert code == status and len(lines) == 1, (code, err)
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def tree(*folders: Path) -> dict[str, str]:
+    """Every entry under `folders` (hidden ones included): sha256 of files, link targets, folders."""
+    found = {}
+    for folder in folders:
+        for root, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                path = Path(root) / name
+                if path.is_symlink():
+                    found[str(path)] = f"link -> {os.readlink(path)}"
+                elif path.is_dir():
+                    found[str(path)] = "folder"
+                else:
+                    found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@contextlib.contextmanager
+def unchanged(*folders: Path):
+    """Nothing under `folders` is created, changed or removed by the block (no output, no temporary file)."""
+    before = tree(*folders)
+    yield
+    after = tree(*folders)
+    assert after == before, {
+        "created": sorted(set(after) - set(before)),
+        "removed": sorted(set(before) - set(after)),
+        "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
+    }
+
+
+def temporaries(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name)
+
+
+def copy_run(run: Path, target: Path) -> Path:
+    shutil.copytree(run, target, symlinks=True)
+    return target
+
+
+def small_fit_argv(folder: Path, small_clip: str, **changes) -> list[str]:
+    """`mima fit` of the small CLIP on two digits tasks (S = 6, N = 2) into folder/run; `changes` are
+    further `--key value` options."""
+    config = fit_config(folder / "run", small_clip, ["rot90", "mirror"], steps=6, iterations=2)
+    argv = ["fit", "--model.clip", small_clip, "--out", config["out"], "--trainer.accelerator", "cpu",
+            "--trainer.enable_progress_bar", "false", "--model.steps", "6", "--model.iterations", "2"]
+    for key, value in changes.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+FIT_OPTIONS = {"model.steps": "4", "model.iterations": "2", "data.tasks": "[rot90, mirror]", "trainer.logger": "false"}
+
+
+def fit_argv(small_clip, run: Path, **changes) -> list[str]:
+    """The quick fit of small_fit_argv shortened to S = 4, N = 2 (8 process steps), in `run`."""
+    return small_fit_argv(run.parent, small_clip, **{**FIT_OPTIONS, "out": str(run), **changes})
+
+
+# =========================================================================== a process holding a run lock
+LOCK_HOLDER = """
+import sys, time
+from mima.core.run_lock import RunLock
+lock = RunLock(sys.argv[1], "test holder", heartbeat_s=0.2).acquire()
+print("held", flush=True)
+sys.stdin.readline()  # hold until told (or killed)
+lock.release()
+"""
+
+
+def lock_holder(folder: Path) -> subprocess.Popen:
+    """A process that holds `folder`'s run lock until a line arrives on its stdin (or it is killed)."""
+    job = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder)], cwd=REPO, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "held"
+    return job
+
+
+# ============================================================================== image files and folders
+STRIPES = ("checkerboard", "horizontal_stripes", "vertical_stripes")  # sorted, as the folders are read
+
+
+def pattern_image(kind: str, rng: np.random.Generator, size: int = 32) -> Image.Image:
+    """Stripes or a checkerboard (4-pixel bars, random phase and colours, pixel noise): learnable
+    from the pixels, but never seen in the embedded model's digit pretraining."""
+    y, x = np.mgrid[0:size, 0:size] + rng.integers(0, 8)
+    bars = {"horizontal_stripes": y // 4 % 2, "vertical_stripes": x // 4 % 2, "checkerboard": (x // 4 + y // 4) % 2}[kind]
+    bars = bars[..., None]
+    pixels = bars * rng.uniform(150, 255, 3) + (1 - bars) * rng.uniform(0, 90, 3) + rng.normal(0, 10, (size, size, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def write_images(folder: Path, classes, count: int, draw, seed: int) -> None:
+    """`count` PNGs per class, folder/<class>/NNN.png, drawn by `draw(class, rng)`."""
+    rng = np.random.default_rng(seed)
+    for name in classes:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            draw(name, rng).save(folder / name / f"{i:03d}.png")
+
+
+def damaged_task(tmp_path: Path, per_class: int, damaged: int, suffix: str, damage) -> Path:
+    """A stripes task (split layout) whose first `damaged` training images of the first class are
+    saved as `suffix` and then damaged by `damage(bytes) -> bytes`."""
+    task = tmp_path / "stripes"
+    write_images(task / "train", STRIPES, per_class, pattern_image, seed=0)
+    write_images(task / "test", STRIPES, 2, pattern_image, seed=1)
+    for png in sorted((task / "train" / STRIPES[0]).glob("*.png"))[:damaged]:
+        with Image.open(png) as image:
+            image.load()
+        png.unlink()
+        path = png.with_suffix(suffix)
+        image.save(path)
+        path.write_bytes(damage(path.read_bytes()))
+    return task
+
+
+def custom_task_fit_config(tmp_path: Path, small_clip: str, task: Path, workers: int = 0, **task_options) -> Path:
+    """A `mima fit` config file (tmp_path/c.yaml) training the small CLIP on the custom task `task` alone."""
+    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
+    config["data"] = {"suite": None, "custom_tasks": [{"name": "stripes", "path": str(task), **task_options}],
+                      "batch_size": 8, "num_workers": workers}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "c.yaml"
+
+
+def garbage_png(data: bytes) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + bytes(range(200))
+
+
+def first_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def cut_jpeg_scan(data: bytes) -> bytes:
+    """Headers intact, the entropy-coded scan cut in half: PIL opens and verifies it, decoding fails."""
+    scan = data.index(b"\xff\xda")  # start-of-scan marker
+    return data[: scan + (len(data) - scan) // 2]
+
+
+def tiny_image(path: Path, seed: int, size: int = 6, mode: str = "RGB") -> None:
+    """A tiny image whose pixels depend on `seed` (so files differ)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).convert(mode).save(path)
+
+
+def class_tree(folder: Path, classes, per_class: int, ext: str = "png", start: int = 0) -> None:
+    for c, name in enumerate(classes):
+        for i in range(per_class):
+            tiny_image(folder / name / f"{i:03d}.{ext}", seed=start + 1000 * c + i)
+
+
+# the clip suite's folder-read benchmark tasks, written small in the layout each expects: each writes
+# under `root` and returns its split sizes and one (file, class name) probe
+def fake_dtd(root: Path) -> dict:
+    class_tree(root / "dtd" / "train", clip_text.DTD, 2)
+    class_tree(root / "dtd" / "val", clip_text.DTD, 1, start=500)
+    return {"train": 2 * 47, "test": 47, "probe": ("dtd/val/zigzagged/000.png", "zigzagged")}
+
+
+def fake_eurosat(root: Path) -> dict:
+    for split, count in (("train", 3), ("val", 1), ("test", 2)):
+        class_tree(root / "EuroSAT_splits" / split, clip_text.EUROSAT_FOLDERS, count, ext="jpg", start=len(split))
+    return {"train": 30, "val": 10, "test": 20, "probe": ("EuroSAT_splits/test/SeaLake/001.jpg", "lake or sea")}
+
+
+def fake_sun397(root: Path) -> dict:
+    class_tree(root / "sun397" / "train", SUN397_FOLDERS, 1, ext="jpg")
+    class_tree(root / "sun397" / "val", SUN397_FOLDERS, 1, ext="jpg", start=7)
+    return {"train": 397, "test": 397, "probe": ("sun397/val/y_youth_hostel/000.jpg", "youth hostel")}
+
+
+def fake_resisc45(root: Path) -> dict:
+    folder = root / "resisc45"
+    for c, name in enumerate(clip_text.RESISC45_FOLDERS):
+        for i in range(1, 4):
+            tiny_image(folder / "NWPU-RESISC45" / name / f"{name}_{i:03d}.jpg", seed=10 * c + i)
+    names = {split: [f"{n}_{i:03d}.jpg" for n in clip_text.RESISC45_FOLDERS for i in ids]
+             for split, ids in (("train", (1, 2)), ("val", ()), ("test", (3,)))}
+    for split, files in names.items():
+        (folder / f"resisc45-{split}.txt").write_text("\n".join(files) + "\n")
+    return {"train": 90, "test": 45, "probe": ("resisc45/NWPU-RESISC45/sea_ice/sea_ice_003.jpg", "sea ice")}
+
+
+FOLDER_TASKS = {"DTD": fake_dtd, "EuroSAT": fake_eurosat, "SUN397": fake_sun397, "RESISC45": fake_resisc45}
+
+
+def idx_file(path: Path, array: np.ndarray) -> None:
+    """An MNIST-format idx file (uint8): magic 0x0803 for images, 0x0801 for labels."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    magic = 0x800 + array.ndim
+    path.write_bytes(struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.astype(np.uint8).tobytes())
+
+
+def fake_mnist(root: Path, train: int = 60, test: int = 20) -> None:
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train), ("t10k", test)):
+        idx_file(root / "MNIST" / "raw" / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        idx_file(root / "MNIST" / "raw" / f"{split}-labels-idx1-ubyte", np.arange(n) % 10)
+
+
+# ============================================================================== merge inputs in memory
+MLP_MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
+
+
+def perturbed_models(count: int, seed: int = 0, shapes=((MLP_MATRIX, (12, 8)), ("ln.weight", (8,)), ("proj", (8, 4)))):
+    """theta_0 (random tensors of `shapes` and an integer tensor, `counter` = 7) and `count` copies with
+    N(0, 0.25) noise added to every floating tensor."""
+    g = torch.Generator().manual_seed(seed)
+    base = {key: torch.randn(shape, generator=g) for key, shape in shapes}
+    base["counter"] = torch.tensor(7)
+    models = [
+        {k: (v + 0.5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone() for k, v in base.items()}
+        for _ in range(count)
+    ]
+    return base, models
+
+
+def numpy_ties(taus: dict[str, np.ndarray], k: float) -> dict[str, np.ndarray]:
+    """The official TIES written again: global top-k% trim (|tau| >= the kth smallest, kth = n - int(n k / 100)),
+    sign of the trimmed sum (zero: the model-wide majority), mean of the agreeing non-zero entries."""
+    flat = [np.concatenate([taus[key][t].ravel() for key in taus]) for t in range(len(next(iter(taus.values()))))]
+    kth = flat[0].size - int(flat[0].size * k / 100)
+    thresholds = [np.sort(np.abs(f))[kth - 1] for f in flat]
+    trimmed = {key: np.stack([v[t] * (np.abs(v[t]) >= thresholds[t]) for t in range(len(v))]) for key, v in taus.items()}
+    majority = np.sign(sum(np.sign(v.sum(0)).sum() for v in trimmed.values()))
+    merged = {}
+    for key, v in trimmed.items():
+        sign = np.sign(v.sum(0))
+        sign[sign == 0] = majority
+        agree = np.where(sign > 0, v > 0, v < 0)
+        merged[key] = (v * agree).sum(0) / np.maximum((v * agree != 0).sum(0), 1)
+    return merged
+
+
+class TinyPool:
+    """tasks, heads, encoder and data splits held as tensors; logits = encoder(images) @ head^T."""
+
+    def __init__(self, encoder: nn.Module, heads: dict[str, torch.Tensor], data: dict[str, dict[str, tuple]], seed: int = 0):
+        self.encoder, self.heads, self.data, self.seed = encoder, heads, data, seed
+        self.tasks = list(heads)
+        self.drawn: Counter = Counter()  # (task, split) -> batches handed out
+
+    def loader(self, task, split, batch_size, shuffle=False, seed=None):
+        images, labels = self.data[task][split]
+        generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
+        order = torch.randperm(len(labels), generator=generator) if shuffle else torch.arange(len(labels))
+
+        def batches():
+            for start in range(0, len(labels), batch_size):
+                index = order[start : start + batch_size]
+                self.drawn[(task, split)] += 1
+                yield images[index], labels[index]
+
+        return batches()
+
+    def examples(self, task, split, count, batch_size=32, seed=None):
+        return first_examples(self.loader(task, split, batch_size, shuffle=True, seed=seed), count)
+
+    def logits(self, weights, task, images):
+        return functional_call(self.encoder, dict(weights), (images,)) @ self.heads[task].T
+
+
+# ============================================= fault injection, loaded by `mima fit` subprocesses by class path
 class KillAtStep(Callback):
     """SIGKILL at the end of optimiser step `step` (before MIMA's sync and the checkpoint of that step
     run): the whole job (`group=True`) or only this rank's process.

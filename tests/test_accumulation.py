@@ -14,7 +14,7 @@ from mima.core.safetensors_io import load_state_dict
 from mima.data.sampler import JointBatchSampler, PhaseBatchSampler
 from mima.core.plan import PhasePlan
 from mima.training.trainer import run_fit
-from tests.test_distributed import job_environment, run_job  # noqa: F401  (the subprocess launcher)
+from tests.helpers import run_job
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())

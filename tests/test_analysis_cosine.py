@@ -88,7 +88,7 @@ def test_a_failed_analysis_leaves_the_earlier_outputs_as_they_were(sweep, tmp_pa
     """Issue 26: `mima analyze` writes its files into a temporary folder and moves them into place at the
     end; one that fails half-way (a plot after another was written) leaves --out as it was."""
     import mima.analysis.cosine.plot as plots
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     out = tmp_path / "out"
     run = sweep / "runs" / "N2"

@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
 # third-party packages a layer must not import (the core and the merge engine stay light)
 FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "core": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
-    "merging": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
+    "merging": {"lightning", "pytorch_lightning", "open_clip", "torchvision", "matplotlib", "torchmetrics", "timm"},
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
@@ -151,7 +151,8 @@ def test_an_added_forbidden_import_is_caught(module, added, expected):
 
 
 def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
-    """`mima merge` of plain files must not pay for (or depend on) the training stack."""
+    """`mima merge` of plain files must not pay for (or depend on) the training stack: with every
+    strategy, the engine and the selection loaded, no model, data, training or evaluation module is."""
     base = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
     save_state_dict(tmp_path / "base.safetensors", base)
     for name, shift in (("a", 1.0), ("b", 3.0)):
@@ -160,12 +161,17 @@ def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
         "import sys; from mima.cli import main; "
         f"code = main(['merge', '--method', 'task_arithmetic', '--base', '{tmp_path}/base.safetensors', "
         f"'--models', '{tmp_path}/a.safetensors', '{tmp_path}/b.safetensors', '--output', '{tmp_path}/m.safetensors', '--lam', '0.5']); "
-        "heavy = sorted(m for m in ('lightning', 'open_clip', 'pytorch_lightning', 'matplotlib') if m in sys.modules); "
-        "print('LOADED', heavy); sys.exit(code)"
-    )
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in HEAVY "
+        "or m.startswith(('mima.pools', 'mima.data', 'mima.models', 'mima.training', 'mima.evaluation'))); "
+        "merging = sorted(m for m in sys.modules if m.startswith('mima.merging')); "
+        "print('LOADED', heavy); print('MERGING', ' '.join(merging)); sys.exit(code)"
+    ).replace("HEAVY", repr(("lightning", "pytorch_lightning", "open_clip", "torchvision", "torchmetrics", "timm", "matplotlib")))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stdout, result.stdout
+    loaded = set(result.stdout.split("MERGING ")[1].split())
+    strategies = {f"mima.merging.{path.stem}" for path in (PACKAGE / "merging").glob("*.py") if path.stem != "__init__"}
+    assert strategies <= loaded, sorted(strategies - loaded)  # every strategy was imported, and none pulled those in
     from mima.core.safetensors_io import load_state_dict
 
     merged = load_state_dict(tmp_path / "m.safetensors")
@@ -202,3 +208,44 @@ def test_module_and_datamodule_meet_only_in_connect():
     sources["mima.training.sync"] += "\n\ndef _seed(trainer):\n    return trainer.datamodule.hparams.seed\n"
     sources["mima.data.datamodule"] += "\n\ndef _plan(self):\n    return self.trainer.lightning_module.plan\n"
     assert cross_reads(sources) == ["mima.data.datamodule reads trainer.lightning_module", "mima.training.sync reads datamodule.hparams"]
+
+
+# ------------------------------------------------------------------------------- the tests themselves
+TESTS = Path(__file__).resolve().parent
+
+
+def cross_test_imports(sources: dict[str, str]) -> list[str]:
+    """Test files that import another test file (`tests.test_x`, `from tests import test_x`, `.test_x`,
+    anywhere in the file), one line each: what several test files share belongs in tests/helpers.py or
+    a fixture in tests/conftest.py, so that no test depends on another test file's private helpers."""
+
+    def is_test_module(module: str) -> bool:
+        return any(part.startswith("test_") for part in module.split("."))
+
+    problems = set()
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                problems.update(f"{name} imports {alias.name}" for alias in node.names if is_test_module(alias.name))
+            elif isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                if is_test_module(module):
+                    problems.add(f"{name} imports {module}")
+                else:  # from tests import test_x
+                    problems.update(f"{name} imports {module}.{alias.name}" for alias in node.names
+                                    if alias.name.startswith("test_"))
+    return sorted(problems)
+
+
+def test_no_test_file_imports_another():
+    sources = {path.name: path.read_text() for path in sorted(TESTS.glob("test_*.py"))}
+    assert len(sources) > 40
+    assert cross_test_imports(sources) == []
+    sources["test_cli.py"] += "\n\ndef _late():\n    from tests.test_hostile_inputs import cli\n"
+    sources["test_report.py"] = "from tests import test_run_lock\n" + sources["test_report.py"]
+    sources["test_joint.py"] = "import tests.test_distributed as distributed\n" + sources["test_joint.py"]
+    sources["test_splits.py"] += "\n\nfrom .test_real_tasks import SIZE\n"
+    assert cross_test_imports(sources) == ["test_cli.py imports tests.test_hostile_inputs",
+                                           "test_joint.py imports tests.test_distributed",
+                                           "test_report.py imports tests.test_run_lock",
+                                           "test_splits.py imports .test_real_tasks"]

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -76,11 +75,10 @@ def test_evaluate_refuses_runs_of_different_tasks(tmp_path, small_clip, capsys):
 @pytest.mark.parametrize("merge, fragment", [("adamerging", "learns from task data"), ("tall", "keeps one model per task")])
 def test_evaluate_takes_data_free_merges_only(tmp_path, small_clip, capsys, merge, fragment):
     run = run_fit(fit_config(tmp_path / "a", small_clip, TASKS, steps=2, iterations=1)).run_dir
-    started = time.monotonic()
     assert main(["evaluate", str(run), "--out", str(tmp_path / "t"), "--merges", "uniform", merge]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0] and "mima merge" in err[0], err
-    assert time.monotonic() - started < 30 and not (tmp_path / "t").exists()
+    assert not (tmp_path / "t").exists()  # refused before anything was evaluated
 
 
 @pytest.fixture

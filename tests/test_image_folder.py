@@ -24,32 +24,14 @@ from mima.pools import task_pool
 from mima.models.clip import load_clip
 from mima.models.heads import zero_shot_head
 from mima.core.safetensors_io import load_state_dict
+from tests.helpers import STRIPES, damaged_task, first_half, pattern_image, write_images
 
-STRIPES = ("checkerboard", "horizontal_stripes", "vertical_stripes")  # sorted, as the folders are read
 SHADES = ("bright", "dark", "medium")
-
-
-def _pattern(kind: str, rng: np.random.Generator, size: int = 32) -> Image.Image:
-    """Stripes or a checkerboard (4-pixel bars, random phase and colours, pixel noise): learnable
-    from the pixels, but never seen in the embedded model's digit pretraining."""
-    y, x = np.mgrid[0:size, 0:size] + rng.integers(0, 8)
-    bars = {"horizontal_stripes": y // 4 % 2, "vertical_stripes": x // 4 % 2, "checkerboard": (x // 4 + y // 4) % 2}[kind]
-    bars = bars[..., None]
-    pixels = bars * rng.uniform(150, 255, 3) + (1 - bars) * rng.uniform(0, 90, 3) + rng.normal(0, 10, (size, size, 3))
-    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
 def _shade(kind: str, rng: np.random.Generator, size: int = 32) -> Image.Image:
     level = {"dark": 40, "medium": 128, "bright": 215}[kind]
     return Image.fromarray(np.clip(level + rng.normal(0, 12, (size, size, 3)), 0, 255).astype(np.uint8))
-
-
-def _write(folder: Path, classes, count: int, draw, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for name in classes:
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            draw(name, rng).save(folder / name / f"{i:03d}.png")
 
 
 def _labels(dataset) -> list[int]:
@@ -58,9 +40,9 @@ def _labels(dataset) -> list[int]:
 
 # ----------------------------------------------------------------------------------- layouts
 def test_split_layout_reads_train_val_test_folders(tmp_path):
-    _write(tmp_path / "train", STRIPES, 4, _pattern, seed=0)
-    _write(tmp_path / "val", STRIPES, 2, _pattern, seed=1)
-    _write(tmp_path / "test", STRIPES[:2], 3, _pattern, seed=2)  # a split may lack a class
+    write_images(tmp_path / "train", STRIPES, 4, pattern_image, seed=0)
+    write_images(tmp_path / "val", STRIPES, 2, pattern_image, seed=1)
+    write_images(tmp_path / "test", STRIPES[:2], 3, pattern_image, seed=2)  # a split may lack a class
     spec = folder_task_spec(FolderTask(name="stripes", path=str(tmp_path)))
     assert spec.classnames == ("checkerboard", "horizontal stripes", "vertical stripes")
     assert spec.templates == DEFAULT_TEMPLATES
@@ -72,7 +54,7 @@ def test_split_layout_reads_train_val_test_folders(tmp_path):
 
 
 def test_flat_layout_holds_out_test_then_carves_validation_with_fixed_seeds(tmp_path):
-    _write(tmp_path, SHADES, 20, _shade, seed=0)
+    write_images(tmp_path, SHADES, 20, _shade, seed=0)
     task = FolderTask(name="shades", path=str(tmp_path))
     first, again = (folder_task_spec(task).load(LoadOptions(image_size=8)) for _ in range(2))
     other = folder_task_spec(task).load(LoadOptions(image_size=8, split_seed=1))
@@ -91,7 +73,7 @@ def test_flat_layout_holds_out_test_then_carves_validation_with_fixed_seeds(tmp_
 
 
 def test_classnames_file_and_templates_override_the_defaults(tmp_path):
-    _write(tmp_path / "data", SHADES, 4, _shade, seed=0)  # 12 images: test 2, val 1, train 9
+    write_images(tmp_path / "data", SHADES, 4, _shade, seed=0)  # 12 images: test 2, val 1, train 9
     names = tmp_path / "names.txt"
     names.write_text("a bright square\n\na dark square\na grey square\n")
     spec = folder_task_spec(FolderTask("shades", str(tmp_path / "data"), classnames_file=str(names),
@@ -108,7 +90,7 @@ def test_classnames_file_and_templates_override_the_defaults(tmp_path):
 def test_folder_mistakes_are_one_line_errors(tmp_path):
     with pytest.raises(MimaError, match=r"custom_tasks 'x': path .*nope is not a folder \(expected .*/<class>/<images>"):
         folder_task_spec(FolderTask("x", str(tmp_path / "nope")))
-    _write(tmp_path / "one", ("only",), 2, lambda name, rng: _shade("dark", rng), seed=0)
+    write_images(tmp_path / "one", ("only",), 2, lambda name, rng: _shade("dark", rng), seed=0)
     with pytest.raises(MimaError, match="has 1 class folder"):
         folder_task_spec(FolderTask("x", str(tmp_path / "one")))
     (tmp_path / "empty" / "a").mkdir(parents=True)
@@ -119,7 +101,7 @@ def test_folder_mistakes_are_one_line_errors(tmp_path):
 
 # ----------------------------------------------------------------- tasks of the data module
 def test_data_module_looks_tasks_up_in_the_suite_and_the_custom_tasks(tmp_path):
-    _write(tmp_path, SHADES, 10, _shade, seed=0)
+    write_images(tmp_path, SHADES, 10, _shade, seed=0)
     shades = {"name": "shades", "path": str(tmp_path)}  # as a YAML config gives it
     both = TaskSuiteDataModule(suite="digits", custom_tasks=[shades])
     assert both.task_names == [*DEFAULT_TASKS["digits"], "shades"]
@@ -162,10 +144,10 @@ def _hand_accuracy(state: dict, test_folder: Path, classes, templates) -> float:
 
 def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     stripes, shades = tmp_path / "stripes", tmp_path / "shades"
-    _write(stripes / "train", STRIPES, 30, _pattern, seed=0)
-    _write(stripes / "test", STRIPES, 12, _pattern, seed=1)
-    _write(shades / "train", SHADES, 10, _shade, seed=2)
-    _write(shades / "test", SHADES, 4, _shade, seed=3)
+    write_images(stripes / "train", STRIPES, 30, pattern_image, seed=0)
+    write_images(stripes / "test", STRIPES, 12, pattern_image, seed=1)
+    write_images(shades / "train", SHADES, 10, _shade, seed=2)
+    write_images(shades / "test", SHADES, 4, _shade, seed=3)
     shade_templates = ["a {} square."]
     config = {
         "seed_everything": 0,
@@ -203,48 +185,8 @@ def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     assert 0.0 <= report["mean"] <= 1.0
 
 
-def _damaged_task(tmp_path: Path, per_class: int, damaged: int, suffix: str, damage) -> Path:
-    """A stripes task (split layout) whose first `damaged` training images of the first class are
-    saved as `suffix` and then damaged by `damage(bytes) -> bytes`."""
-    task = tmp_path / "stripes"
-    _write(task / "train", STRIPES, per_class, _pattern, seed=0)
-    _write(task / "test", STRIPES, 2, _pattern, seed=1)
-    for png in sorted((task / "train" / STRIPES[0]).glob("*.png"))[:damaged]:
-        with Image.open(png) as image:
-            image.load()
-        png.unlink()
-        path = png.with_suffix(suffix)
-        image.save(path)
-        path.write_bytes(damage(path.read_bytes()))
-    return task
-
-
-def _write_fit_config(tmp_path: Path, small_clip: str, task: Path, workers: int = 0, **task_options) -> Path:
-    from tests.conftest import fit_config
-
-    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
-    config["data"] = {"suite": None, "custom_tasks": [{"name": "stripes", "path": str(task), **task_options}],
-                      "batch_size": 8, "num_workers": workers}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    return tmp_path / "c.yaml"
-
-
-def _garbage_png(data: bytes) -> bytes:
-    return b"\x89PNG\r\n\x1a\n" + bytes(range(200))
-
-
-def _half(data: bytes) -> bytes:
-    return data[: len(data) // 2]
-
-
-def _cut_jpeg_scan(data: bytes) -> bytes:
-    """Headers intact, the entropy-coded scan cut in half: PIL opens and verifies it, decoding fails."""
-    scan = data.index(b"\xff\xda")  # start-of-scan marker
-    return data[: scan + (len(data) - scan) // 2]
-
-
 def test_bad_images_skip_leaves_the_unreadable_files_out(tmp_path, capsys):
-    task = _damaged_task(tmp_path, per_class=12, damaged=3, suffix=".png", damage=_half)
+    task = damaged_task(tmp_path, per_class=12, damaged=3, suffix=".png", damage=first_half)
     data = folder_task_spec(FolderTask(name="stripes", path=str(task), bad_images="skip")).load(LoadOptions(image_size=16))
     assert "leaving out 3 of 36 image files" in capsys.readouterr().err
     # 33 readable training images: validation carves int(0.1 * 33) = 3 of them, training keeps 30

@@ -100,7 +100,7 @@ def test_evaluate_adds_the_joint_row_to_every_n(tmp_path, small_clip):
 def test_joint_mode_on_two_processes_is_data_parallel_over_the_combined_batch(tmp_path, small_clip):
     """Two gloo processes each take half of every task's batch; DDP averages their gradients, which is
     the gradient of the whole combined batch: the same model as one process, up to float rounding."""
-    from tests.test_distributed import run_job, write_config
+    from tests.helpers import run_job, write_config
 
     finals = {}
     for devices in (1, 2):

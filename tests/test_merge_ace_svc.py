@@ -16,7 +16,7 @@ from mima.cli import main
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import HYPERPARAMETERS, get_method
-from tests.test_merge_strategies import _models as strategy_models
+from tests.helpers import perturbed_models
 
 MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 WIDE = "transformer.resblocks.1.mlp.c_proj.weight"
@@ -28,7 +28,7 @@ SHAPES = ((MATRIX, (12, 8)), (WIDE, (5, 9)), (TEXT_PROJECTION, (6, 4)), (EMBEDDI
 
 def _models(count: int, seed: int = 0, scales: tuple[float, ...] | None = None):
     """theta_0 (with an integer tensor) and `count` models; `scales` multiplies each model's task vector."""
-    base, models = strategy_models(count, seed, SHAPES)
+    base, models = perturbed_models(count, seed, SHAPES)
     if scales is not None:
         models = [{k: base[k] + scale * (v - base[k]) if v.is_floating_point() else v for k, v in m.items()}
                   for m, scale in zip(models, scales)]

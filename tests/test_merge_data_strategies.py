@@ -1,53 +1,23 @@
 """Data-dependent strategies on tiny models and a tiny task pool, each against a hand or numpy computation.
 
-The pool here is not mima.pools.TaskPool: strategies must work with any object of the shape of
-mima.merging.pool.Pool (tasks, heads, encoder, loader, examples, logits). Its train splits hold
-exactly the number of calibration examples asked for, so the examples a strategy sees are known.
+The pool here (TinyPool, tests/helpers.py) is not mima.pools.TaskPool: strategies must work with any
+object of the shape of mima.merging.pool.Pool (tasks, heads, encoder, loader, examples, logits). Its
+train splits hold exactly the number of calibration examples asked for, so the examples a strategy
+sees are known.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from mima.core.errors import MimaError
 from mima.merging import get_method
-from mima.core.subsets import first_examples
 from mima.merging.pool import Pool
 from mima.merging.selection import merge_with_defaults
-
-
-class TinyPool:
-    """tasks, heads, encoder and data splits held as tensors; logits = encoder(images) @ head^T."""
-
-    def __init__(self, encoder: nn.Module, heads: dict[str, torch.Tensor], data: dict[str, dict[str, tuple]], seed: int = 0):
-        self.encoder, self.heads, self.data, self.seed = encoder, heads, data, seed
-        self.tasks = list(heads)
-        self.drawn: Counter = Counter()  # (task, split) -> batches handed out
-
-    def loader(self, task, split, batch_size, shuffle=False, seed=None):
-        images, labels = self.data[task][split]
-        generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
-        order = torch.randperm(len(labels), generator=generator) if shuffle else torch.arange(len(labels))
-
-        def batches():
-            for start in range(0, len(labels), batch_size):
-                index = order[start : start + batch_size]
-                self.drawn[(task, split)] += 1
-                yield images[index], labels[index]
-
-        return batches()
-
-    def examples(self, task, split, count, batch_size=32, seed=None):
-        return first_examples(self.loader(task, split, batch_size, shuffle=True, seed=seed), count)
-
-    def logits(self, weights, task, images):
-        return functional_call(self.encoder, dict(weights), (images,)) @ self.heads[task].T
+from tests.helpers import TinyPool
 
 
 def _data(g, inputs: int, classes: int, train: int, test: int = 24) -> dict[str, tuple]:

@@ -17,8 +17,7 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.merging import get_method
 from mima.merging.della import keep_probabilities, magprune
-from tests.test_merge_data_strategies import TinyPool
-from tests.test_merge_strategies import _numpy_ties
+from tests.helpers import TinyPool, numpy_ties
 
 # open_clip-like names: three residual blocks, tensors before and after them, a 4-D patch
 # embedding, a 0-D tensor and an integer counter
@@ -54,7 +53,7 @@ def _taus(base, models) -> dict[str, np.ndarray]:
 def _ties_reference(taus: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The official TIES (k = 20) of test_merge_strategies; 0-D tensors pass as one-entry vectors
     (TIES is entry-wise after its global trim) and come back 0-D."""
-    merged = _numpy_ties({key: tau.reshape(len(tau), -1) for key, tau in taus.items()}, k=20)
+    merged = numpy_ties({key: tau.reshape(len(tau), -1) for key, tau in taus.items()}, k=20)
     return {key: merged[key].reshape(taus[key].shape[1:]) for key in taus}
 
 

@@ -16,24 +16,13 @@ from mima.merging.common import pack, unpack
 from mima.merging.dare import dare
 from mima.merging.engine import merge_to_file, open_inputs
 from mima.merging.regmean import regmean_weight
-
-MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
-
-
-def _models(count: int, seed: int = 0, shapes=((MATRIX, (12, 8)), ("ln.weight", (8,)), ("proj", (8, 4)))):
-    g = torch.Generator().manual_seed(seed)
-    base = {key: torch.randn(shape, generator=g) for key, shape in shapes}
-    base["counter"] = torch.tensor(7)
-    models = [
-        {k: (v + 0.5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone() for k, v in base.items()}
-        for _ in range(count)
-    ]
-    return base, models
+from tests.helpers import MLP_MATRIX as MATRIX
+from tests.helpers import numpy_ties, perturbed_models
 
 
 # ---------------------------------------------------------------------------------- DARE
 def test_dare_with_no_drop_is_task_arithmetic_and_ties():
-    base, models = _models(3)
+    base, models = perturbed_models(3)
     for dare_name, plain, hp in (("dare_task_arithmetic", "task_arithmetic", {"lam": 0.3}), ("dare_ties", "ties", {"lam": 1.2})):
         dared = get_method(dare_name)(models, base, drop=0.0, **hp)
         reference = get_method(plain)(models, base, **hp)
@@ -68,7 +57,7 @@ def _dropped(base, models, key, drop, seed) -> np.ndarray:
 
 @pytest.mark.parametrize("drop, seed", [(0.3, 4), (0.3, 5), (0.8, 0)])
 def test_dare_task_arithmetic_with_drop_matches_an_independent_reimplementation(drop, seed):
-    base, models = _models(3, seed=11)
+    base, models = perturbed_models(3, seed=11)
     merged = get_method("dare_task_arithmetic")(models, base, lam=0.7, drop=drop, seed=seed)
     for key in (MATRIX, "ln.weight", "proj"):
         expected = base[key].numpy() + 0.7 * _dropped(base, models, key, drop, seed).sum(0)
@@ -77,29 +66,12 @@ def test_dare_task_arithmetic_with_drop_matches_an_independent_reimplementation(
 
 
 def test_dare_ties_with_drop_is_numpy_ties_on_the_dropped_vectors():
-    base, models = _models(3, seed=12)
+    base, models = perturbed_models(3, seed=12)
     merged = get_method("dare_ties")(models, base, lam=1.3, drop=0.4, seed=2, k=30)
     keys = (MATRIX, "ln.weight", "proj")
-    expected = _numpy_ties({key: _dropped(base, models, key, 0.4, 2) for key in keys}, k=30)
+    expected = numpy_ties({key: _dropped(base, models, key, 0.4, 2) for key in keys}, k=30)
     for key in keys:
         np.testing.assert_allclose(merged[key].numpy(), base[key].numpy() + 1.3 * expected[key], rtol=1e-5, atol=1e-5)
-
-
-def _numpy_ties(taus: dict[str, np.ndarray], k: float) -> dict[str, np.ndarray]:
-    """The official TIES written again: global top-k% trim (|tau| >= the kth smallest, kth = n - int(n k / 100)),
-    sign of the trimmed sum (zero: the model-wide majority), mean of the agreeing non-zero entries."""
-    flat = [np.concatenate([taus[key][t].ravel() for key in taus]) for t in range(len(next(iter(taus.values()))))]
-    kth = flat[0].size - int(flat[0].size * k / 100)
-    thresholds = [np.sort(np.abs(f))[kth - 1] for f in flat]
-    trimmed = {key: np.stack([v[t] * (np.abs(v[t]) >= thresholds[t]) for t in range(len(v))]) for key, v in taus.items()}
-    majority = np.sign(sum(np.sign(v.sum(0)).sum() for v in trimmed.values()))
-    merged = {}
-    for key, v in trimmed.items():
-        sign = np.sign(v.sum(0))
-        sign[sign == 0] = majority
-        agree = np.where(sign > 0, v > 0, v < 0)
-        merged[key] = (v * agree).sum(0) / np.maximum((v * agree != 0).sum(0), 1)
-    return merged
 
 
 # --------------------------------------------------------------------------- breadcrumbs
@@ -127,7 +99,7 @@ def _numpy_breadcrumbs(tau: np.ndarray, density: float, gamma: float) -> np.ndar
 
 
 def test_breadcrumbs_merge_formula():
-    base, models = _models(2, seed=2)
+    base, models = perturbed_models(2, seed=2)
     merged = get_method("breadcrumbs")(models, base, lam=0.5, density=0.5, gamma=0.25)
     for key in (MATRIX, "ln.weight", "proj"):  # widths 8, 8, 4: drop the top 2, 2, 1 and keep 4, 4, 2 per row
         taus = [m[key].numpy() - base[key].numpy() for m in models]
@@ -143,7 +115,7 @@ def _numpy_masks(base, models, key, lam):
 
 
 def test_consensus_with_k1_keeps_the_union_and_k_above_t_is_refused():
-    base, models = _models(3, seed=3)
+    base, models = perturbed_models(3, seed=3)
     union = get_method("consensus")(models, base, lam=1.0, mask_lam=0.4, min_tasks=1)
     for key in (MATRIX, "ln.weight", "proj"):
         masks, total = _numpy_masks(base, models, key, 0.4)
@@ -168,7 +140,7 @@ def _numpy_tsv(taus: list[np.ndarray]) -> np.ndarray:
 
 
 def test_tsv_matches_a_numpy_implementation_of_the_official_algorithm():
-    base, models = _models(3, seed=5)
+    base, models = perturbed_models(3, seed=5)
     merged = get_method("tsv")(models, base, lam=0.7)
     for key in (MATRIX, "proj"):
         taus = [m[key].double().numpy() - base[key].double().numpy() for m in models]
@@ -197,7 +169,7 @@ def test_tsv_on_orthogonal_task_vectors_is_task_arithmetic():
 
 # ------------------------------------------------------------------ per-task compressions
 def test_cart_indexing_reconstructs_each_task_from_its_truncated_centered_vector():
-    base, models = _models(3, seed=7)
+    base, models = perturbed_models(3, seed=7)
     method = get_method("cart_indexing")
     index = method(models, rank_ratio=0.25)  # 12 x 8 matrix: rank max(1, floor(0.25 * 8)) = 2
     average = {k: torch.stack([m[k].double() for m in models]).mean(0) for k in (MATRIX, "ln.weight", "proj")}
@@ -212,7 +184,7 @@ def test_cart_indexing_reconstructs_each_task_from_its_truncated_centered_vector
 
 
 def test_tall_masks_reconstruct_theta0_plus_mask_times_the_sum():
-    base, models = _models(3, seed=8)
+    base, models = perturbed_models(3, seed=8)
     method = get_method("tall")
     index = method(models, base, mask_lam=[0.2, 0.4, 0.6])
     for t, lam in enumerate((0.2, 0.4, 0.6)):
@@ -266,10 +238,10 @@ def _numpy_defaults(name: str, base, models) -> dict[str, np.ndarray]:
     if name == "task_arithmetic":  # lam 0.4
         return {key: b[key] + 0.4 * taus[key].sum(0) for key in keys}
     if name == "ties":  # lam 1, k 20, global trim
-        merged = _numpy_ties(taus, k=20)
+        merged = numpy_ties(taus, k=20)
         return {key: b[key] + merged[key] for key in keys}
     if name == "dare_ties":  # drop 0.5, seed 0, then ties at lam 1, k 20
-        merged = _numpy_ties({key: _dropped(base, models, key, 0.5, 0) for key in keys}, k=20)
+        merged = numpy_ties({key: _dropped(base, models, key, 0.5, 0) for key in keys}, k=20)
         return {key: b[key] + merged[key] for key in keys}
     if name == "cart":  # rank 8%, lam 1
         return {key: _numpy_cart(models, key) for key in keys}
@@ -288,7 +260,7 @@ def _numpy_defaults(name: str, base, models) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("name", ["uniform", "task_arithmetic", "ties", "cart", "dare_ties", "breadcrumbs", "consensus", "tsv"])
 def test_streamed_file_merge_matches_the_formula(tmp_path, name):
-    base, models = _models(3, seed=10)
+    base, models = perturbed_models(3, seed=10)
     save_state_dict(tmp_path / "base.safetensors", base)
     paths = []
     for index, model in enumerate(models):
@@ -305,7 +277,7 @@ def test_streamed_file_merge_matches_the_formula(tmp_path, name):
 
 
 def test_consensus_and_tall_check_the_number_of_mask_lambdas():
-    base, models = _models(3, seed=13)
+    base, models = perturbed_models(3, seed=13)
     for name in ("consensus", "tall"):
         with pytest.raises(MimaError, match="mask_lam: 2 values for 3 tasks"):
             get_method(name)(models, base, mask_lam=[0.2, 0.4])

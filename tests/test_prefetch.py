@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import huggingface_hub
@@ -72,19 +71,15 @@ def test_fit_offline_without_cached_weights_fails_at_once_naming_prefetch(tmp_pa
     env = {key: value for key, value in os.environ.items()
            if key not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MIMA_OFFLINE")}
     env.update({"HF_HOME": str(tmp_path / "hf"), offline_variable: "1"})
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(out)],
                             capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
-    elapsed = time.monotonic() - started
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
-    assert len(lines) == 1, result.stderr
+    assert len(lines) == 1, result.stderr  # nothing but the error: no download attempts or retries logged
     assert lines[0].startswith("mima fit: error: model.pretrained: the weights of ViT-B-32 (openai) are not in the local cache")
     assert "offline" in lines[0] and "mima prefetch --config" in lines[0]
     assert str(tmp_path / "hf" / "hub") in lines[0]  # the cache it looked in
     assert not out.exists() or not any(out.iterdir())
-    # no download retries: only the interpreter and the imports (about 10 s on a busy 2-core machine)
-    assert elapsed < 90, f"took {elapsed:.0f} s"
 
 
 # ---------------------------------------------------------------------------- the cache probe

@@ -8,15 +8,12 @@ is downloaded.
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils.data import Subset
 
 from mima.cli import main
@@ -27,21 +24,9 @@ from mima.data.registry import DEFAULT_TASKS, SUITES
 from mima.data.splits import validation_size
 from mima.data.tasks import LoadOptions
 from mima.core.errors import MimaError
+from tests.helpers import FOLDER_TASKS, class_tree, fake_mnist, tiny_image
 
 SIZE = 8  # loader tests use the fallback transform at this size (no model)
-
-
-def _image(path: Path, seed: int, size: int = 6, mode: str = "RGB") -> None:
-    """A tiny image whose pixels depend on `seed` (so files differ)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    Image.fromarray(pixels).convert(mode).save(path)
-
-
-def _class_tree(folder: Path, classes, per_class: int, ext: str = "png", start: int = 0) -> None:
-    for c, name in enumerate(classes):
-        for i in range(per_class):
-            _image(folder / name / f"{i:03d}.{ext}", seed=start + 1000 * c + i)
 
 
 def _load(name: str, root: Path, split_seed: int = 0):
@@ -79,39 +64,7 @@ def test_clip_suite_lists_the_benchmarks_with_heads_for_every_task():
 
 
 # ------------------------------------------------------------------ folder-read tasks (all four)
-def _fake_dtd(root: Path) -> dict:
-    _class_tree(root / "dtd" / "train", clip_text.DTD, 2)
-    _class_tree(root / "dtd" / "val", clip_text.DTD, 1, start=500)
-    return {"train": 2 * 47, "test": 47, "probe": ("dtd/val/zigzagged/000.png", "zigzagged")}
-
-
-def _fake_eurosat(root: Path) -> dict:
-    for split, count in (("train", 3), ("val", 1), ("test", 2)):
-        _class_tree(root / "EuroSAT_splits" / split, clip_text.EUROSAT_FOLDERS, count, ext="jpg", start=len(split))
-    return {"train": 30, "val": 10, "test": 20, "probe": ("EuroSAT_splits/test/SeaLake/001.jpg", "lake or sea")}
-
-
-def _fake_sun397(root: Path) -> dict:
-    _class_tree(root / "sun397" / "train", SUN397_FOLDERS, 1, ext="jpg")
-    _class_tree(root / "sun397" / "val", SUN397_FOLDERS, 1, ext="jpg", start=7)
-    return {"train": 397, "test": 397, "probe": ("sun397/val/y_youth_hostel/000.jpg", "youth hostel")}
-
-
-def _fake_resisc45(root: Path) -> dict:
-    folder = root / "resisc45"
-    for c, name in enumerate(clip_text.RESISC45_FOLDERS):
-        for i in range(1, 4):
-            _image(folder / "NWPU-RESISC45" / name / f"{name}_{i:03d}.jpg", seed=10 * c + i)
-    names = {split: [f"{n}_{i:03d}.jpg" for n in clip_text.RESISC45_FOLDERS for i in ids]
-             for split, ids in (("train", (1, 2)), ("val", ()), ("test", (3,)))}
-    for split, files in names.items():
-        (folder / f"resisc45-{split}.txt").write_text("\n".join(files) + "\n")
-    return {"train": 90, "test": 45, "probe": ("resisc45/NWPU-RESISC45/sea_ice/sea_ice_003.jpg", "sea ice")}
-
-
-FOLDER_TASKS = {"DTD": _fake_dtd, "EuroSAT": _fake_eurosat, "SUN397": _fake_sun397, "RESISC45": _fake_resisc45}
-
-
+# (their fake layouts: tests/helpers.py, FOLDER_TASKS)
 @pytest.mark.parametrize("name", list(FOLDER_TASKS))
 def test_folder_tasks_load_with_the_right_classes_splits_and_labels(tmp_path, name):
     expected = FOLDER_TASKS[name](tmp_path)
@@ -136,8 +89,8 @@ def test_folder_tasks_load_with_the_right_classes_splits_and_labels(tmp_path, na
 
 
 def test_folder_task_rejects_an_unknown_class_folder_and_missing_classes(tmp_path):
-    _fake_dtd(tmp_path)
-    _image(tmp_path / "dtd" / "val" / "plaid" / "000.png", seed=1)
+    FOLDER_TASKS["DTD"](tmp_path)
+    tiny_image(tmp_path / "dtd" / "val" / "plaid" / "000.png", seed=1)
     with pytest.raises(MimaError, match=r"DTD \(test\): folder 'plaid' .* is not one of the task's 47 classes"):
         _load("DTD", tmp_path)
     for folder in (tmp_path / "dtd" / "val" / "plaid", tmp_path / "dtd" / "train" / "zigzagged"):
@@ -149,22 +102,8 @@ def test_folder_task_rejects_an_unknown_class_folder_and_missing_classes(tmp_pat
 
 
 # ------------------------------------------------------------------ torchvision-read tasks
-def _idx(path: Path, array: np.ndarray) -> None:
-    """An MNIST-format idx file (uint8): magic 0x0803 for images, 0x0801 for labels."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    magic = 0x800 + array.ndim
-    path.write_bytes(struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.astype(np.uint8).tobytes())
-
-
-def _fake_mnist(root: Path, train: int = 60, test: int = 20) -> None:
-    rng = np.random.default_rng(0)
-    for split, n in (("train", train), ("t10k", test)):
-        _idx(root / "MNIST" / "raw" / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
-        _idx(root / "MNIST" / "raw" / f"{split}-labels-idx1-ubyte", np.arange(n) % 10)
-
-
 def test_mnist_reads_idx_files_as_rgb_with_a_deterministic_validation_split(tmp_path):
-    _fake_mnist(tmp_path)
+    fake_mnist(tmp_path)
     first, second = _load("MNIST", tmp_path), _load("MNIST", tmp_path)
     _assert_carved(first, second, 60)
     assert len(first.test) == 20 and _labels(first.test) == [i % 10 for i in range(20)]
@@ -176,10 +115,10 @@ def test_mnist_reads_idx_files_as_rgb_with_a_deterministic_validation_split(tmp_
 def test_gtsrb_reads_torchvision_layout(tmp_path):
     base = tmp_path / "gtsrb"
     for label, folder in enumerate(GTSRB_FOLDERS):
-        _image(base / "GTSRB" / "Training" / folder / f"{label:05d}_00000.ppm", seed=label)
+        tiny_image(base / "GTSRB" / "Training" / folder / f"{label:05d}_00000.ppm", seed=label)
     rows = ["Filename;Width;Height;Roi.X1;Roi.Y1;Roi.X2;Roi.Y2;ClassId"]
     for i, label in enumerate((0, 42, 7)):
-        _image(base / "GTSRB" / "Final_Test" / "Images" / f"{i:05d}.ppm", seed=100 + i)
+        tiny_image(base / "GTSRB" / "Final_Test" / "Images" / f"{i:05d}.ppm", seed=100 + i)
         rows.append(f"{i:05d}.ppm;6;6;0;0;5;5;{label}")
     (base / "GT-final_test.csv").write_text("\n".join(rows) + "\n")
     data = _load("GTSRB", tmp_path)
@@ -190,8 +129,8 @@ def test_gtsrb_reads_torchvision_layout(tmp_path):
 
 def test_rendered_sst2_reads_torchvision_layout(tmp_path):
     base = tmp_path / "RenderedSST2" / "rendered-sst2"
-    _class_tree(base / "train", ("negative", "positive"), 10)
-    _class_tree(base / "test", ("negative", "positive"), 3, start=50)
+    class_tree(base / "train", ("negative", "positive"), 10)
+    class_tree(base / "test", ("negative", "positive"), 3, start=50)
     data = _load("RenderedSST2", tmp_path)
     assert (len(data.train), len(data.val), len(data.test)) == (18, 2, 6)
     assert _labels(data.test) == [0, 0, 0, 1, 1, 1]
@@ -259,9 +198,9 @@ def test_data_check_on_an_empty_root_lists_every_task_as_missing(tmp_path, capsy
 
 
 def test_data_check_on_a_partial_root_says_what_is_missing(tmp_path, capsys):
-    _fake_mnist(tmp_path, train=2, test=2)
+    fake_mnist(tmp_path, train=2, test=2)
     (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
-    _fake_eurosat(tmp_path)
+    FOLDER_TASKS["EuroSAT"](tmp_path)
     for name in clip_text.DTD[:5]:
         (tmp_path / "dtd" / "train" / name).mkdir(parents=True)
     code, out, _ = _check(["--root", tmp_path, "--benchmark", "8"], capsys)
@@ -278,7 +217,7 @@ def test_data_check_on_a_partial_root_says_what_is_missing(tmp_path, capsys):
 
 
 def test_data_check_exits_0_when_the_tasks_are_there(tmp_path, capsys):
-    _fake_mnist(tmp_path, train=2, test=2)
+    fake_mnist(tmp_path, train=2, test=2)
     code, out, _ = _check(["--root", tmp_path, "--tasks", "MNIST"], capsys)
     assert code == 0 and _row(out, "MNIST")[1] == "found" and "1 of 1 tasks found" in out
 
@@ -294,7 +233,7 @@ def test_data_check_usage_errors_are_one_line(capsys, argv, fragment):
 
 
 def test_mima_entry_point_runs_data_check(tmp_path):
-    _fake_mnist(tmp_path, train=2, test=2)
+    fake_mnist(tmp_path, train=2, test=2)
     script = Path(sys.executable).with_name("mima")
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "mima"]
     result = subprocess.run([*command, "data", "check", "--root", str(tmp_path), "--tasks", "MNIST", "SVHN"],

@@ -30,11 +30,8 @@ def _images(markdown: str) -> list[str]:
 def test_sweep_report_tables_images_and_links(sweep, capsys):
     assert main(["report", str(sweep)]) == 0
     markdown = (sweep / "report.md").read_text()
-    # every mean accuracy of results.json appears in the summary row of its model, in % with one decimal
-    rows = json.loads((sweep / "results.json").read_text())
-    for model in ("zero_shot", "fine_tuned", "uniform", "task_arithmetic"):
-        means = [100 * r["accuracy"] for n in (1, 2) for r in rows if (r["N"], r["model"], r["task"]) == (n, model, "mean")]
-        assert f"| {model} | {means[0]:.1f} | {means[1]:.1f} |" in markdown
+    # the table's numbers: test_report_tables_of_a_results_file_written_by_hand
+    assert "| model | N=1 | N=2 |" in markdown
     images = _images(markdown)
     assert "merged_accuracy_vs_N.png" in images and "analysis/cosine/cosine_phases.png" in images
     assert all((sweep / image).is_file() for image in images)
@@ -45,6 +42,45 @@ def test_sweep_report_tables_images_and_links(sweep, capsys):
     assert "<td>task_arithmetic</td>" in page
     assert main(["report", str(sweep)]) == 2  # an earlier report is kept unless --overwrite
     assert "--overwrite" in capsys.readouterr().err
+
+
+# A results.json written here, with numbers chosen so that every cell is known by hand (accuracies in
+# [0, 1]; the "mean" rows are what `mima evaluate` writes beside the per-task rows).
+HAND_ACCURACIES = {  # (N, model) -> (rot90, mirror)
+    (1, "zero_shot"): (0.5, 0.3), (1, "fine_tuned"): (0.9, 0.8), (1, "uniform"): (0.72, 0.6), (1, "task_arithmetic"): (0.81, 0.64),
+    (2, "zero_shot"): (0.5, 0.3), (2, "fine_tuned"): (0.96, 0.9), (2, "uniform"): (0.864, 0.72), (2, "task_arithmetic"): (0.912, 0.81),
+}
+HAND_COSINES = {1: 0.123, 2: 0.456}  # mean cos(tau) of each N's fine-tuned task models
+
+
+def test_report_tables_of_a_results_file_written_by_hand(tmp_path):
+    rows = []
+    for (n, model), (rot90, mirror) in HAND_ACCURACIES.items():
+        cos = HAND_COSINES[n] if model == "fine_tuned" else None
+        for task, accuracy in (("rot90", rot90), ("mirror", mirror), ("mean", (rot90 + mirror) / 2)):
+            rows.append({"N": n, "model": model, "task": task, "accuracy": accuracy, "mean_cos_tau": cos})
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    (tmp_path / "selection.json").write_text(json.dumps({"selection": [
+        {"N": n, "model": "task_arithmetic", "hparams": {"lam": lam}} for n, lam in ((1, 0.3), (2, 0.5))]}))
+    assert main(["report", str(tmp_path)]) == 0
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    # summary: the mean over the two tasks in %, per N; then mean cos(tau)
+    for row in ("| zero_shot | 40.0 | 40.0 |", "| fine_tuned | 85.0 | 93.0 |", "| uniform | 66.0 | 79.2 |",
+                "| task_arithmetic | 72.5 | 86.1 |", "| mean cos(tau) | 0.123 | 0.456 |"):
+        assert row in lines, row
+    # per N: abs. acc, rel. acc (mean over tasks of merged / fine-tuned), gap (fine-tuned minus merged, points),
+    # the two tasks, the chosen hyperparameters. N = 1, uniform: (72/90 + 60/80) / 2 = 77.5 %, 85.0 - 66.0 = 19.0
+    n1 = lines[lines.index("**N = 1**"):lines.index("**N = 2**")]
+    n2 = lines[lines.index("**N = 2**"):]
+    assert "| model | abs. acc (%) | rel. acc (%) | gap (pts) | rot90 (%) | mirror (%) | chosen |" in n1
+    for row in ("| fine_tuned | 85.0 | 100.0 | 0.0 | 90.0 | 80.0 |  |", "| uniform | 66.0 | 77.5 | 19.0 | 72.0 | 60.0 |  |",
+                "| task_arithmetic | 72.5 | 85.0 | 12.5 | 81.0 | 64.0 | lam=0.3 |", "| zero_shot | 40.0 | 46.5 | 45.0 | 50.0 | 30.0 |  |"):
+        assert row in n1, row
+    # N = 2, task_arithmetic: (91.2/96 + 81/90) / 2 = 92.5 %, 93.0 - 86.1 = 6.9
+    for row in ("| uniform | 79.2 | 85.0 | 13.8 | 86.4 | 72.0 |  |", "| task_arithmetic | 86.1 | 92.5 | 6.9 | 91.2 | 81.0 | lam=0.5 |"):
+        assert row in n2, row
+    page = (tmp_path / "report.html").read_text()
+    assert "<td>task_arithmetic</td><td>86.1</td><td>92.5</td><td>6.9</td>" in "".join(page.split())
 
 
 def test_run_report_lists_the_phases(sweep, tmp_path):
@@ -78,7 +114,7 @@ def test_report_of_an_evaluate_folder(sweep, tmp_path):
     runs/ folder): the report reads it as the README says (the old code refused it: "not a sweep folder")."""
     import shutil
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     evaluation = tmp_path / "eval"
     evaluation.mkdir()
@@ -102,7 +138,7 @@ def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
     import os
     import stat
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     run = _copy_run(sweep / "runs" / "N2", tmp_path / "run")
     modes = {}
@@ -126,7 +162,7 @@ def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
 def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monkeypatch):
     import mima.report
 
-    from tests.test_hostile_inputs import unchanged
+    from tests.helpers import unchanged
 
     run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
     page = tmp_path / "page"
@@ -143,10 +179,10 @@ def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monk
 
 
 def test_report_refuses_an_output_folder_another_job_holds(sweep, tmp_path):
-    from tests.test_run_lock import _holder
+    from tests.helpers import lock_holder
 
     run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
-    holder = _holder(tmp_path / "page")
+    holder = lock_holder(tmp_path / "page")
     try:
         code = main(["report", str(run), "--out", str(tmp_path / "page")])
     finally:

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from mima.core.safetensors_io import load_state_dict
-from tests.test_hostile_inputs import assert_one_line, cli, copy_run, fit_argv, temporaries, unchanged
+from tests.helpers import assert_one_line, cli, copy_run, fit_argv, temporaries, unchanged
 
 TASKS = ("rot90", "mirror")
 

@@ -20,27 +20,11 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.core.run_lock import RunLock
-from tests.test_distributed import REPO, TWO, assert_identical, finals, job_environment, write_config
-
-HOLDER = """
-import sys, time
-from mima.core.run_lock import RunLock
-lock = RunLock(sys.argv[1], "test holder", heartbeat_s=0.2).acquire()
-print("held", flush=True)
-sys.stdin.readline()  # hold until told (or killed)
-lock.release()
-"""
-
-
-def _holder(folder: Path) -> subprocess.Popen:
-    job = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], cwd=REPO, stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    assert job.stdout.readline().strip() == "held"
-    return job
+from tests.helpers import REPO, TWO, assert_identical, finals, job_environment, lock_holder, write_config
 
 
 def test_a_live_holder_is_refused_in_one_line_naming_it(tmp_path):
-    job = _holder(tmp_path / "run")
+    job = lock_holder(tmp_path / "run")
     try:
         with pytest.raises(MimaError) as refused:
             RunLock(tmp_path / "run", "mima report").acquire()
@@ -57,7 +41,7 @@ def test_a_live_holder_is_refused_in_one_line_naming_it(tmp_path):
 
 
 def test_the_lock_of_a_killed_job_is_taken_over(tmp_path, capfd):
-    job = _holder(tmp_path / "run")
+    job = lock_holder(tmp_path / "run")
     job.kill()
     job.wait(timeout=30)
     assert (tmp_path / "run" / "LOCK").is_file()  # SIGKILL gives no chance to clean up

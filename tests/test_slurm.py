@@ -31,7 +31,7 @@ from mima.core.safetensors_io import load_state_dict
 from tests.ci_mode import require
 from tests.slurm_cluster import free_port, missing_requirement, start_cluster
 from tests.conftest import fit_config
-from tests.test_distributed import job_environment
+from tests.helpers import job_environment
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["rot90", "mirror"]

@@ -21,7 +21,7 @@ from torchvision.datasets import ImageFolder
 from mima.cli import main
 from mima.data import digits
 from mima.data.clip_tasks import GTSRB_FOLDERS
-from tests.test_real_tasks import FOLDER_TASKS, _class_tree, _fake_mnist, _image
+from tests.helpers import FOLDER_TASKS, class_tree, fake_mnist, tiny_image
 
 
 def _task_vectors_split(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -49,7 +49,7 @@ def _assert_task_vectors_carve(record: dict, num_train: int) -> None:
 
 
 def test_mnist_validation_is_the_tail_of_task_vectors_random_split(tmp_path, capsys):
-    _fake_mnist(tmp_path, train=60000, test=100)
+    fake_mnist(tmp_path, train=60000, test=100)
     records = _splits(tmp_path, {"suite": "clip", "tasks": ["MNIST"], "root": str(tmp_path)}, capsys)
     record = records["MNIST"]
     _assert_task_vectors_carve(record, 60000)
@@ -63,10 +63,10 @@ def _fake_gtsrb(root: Path) -> dict:
     base = root / "gtsrb"
     for label, folder in enumerate(GTSRB_FOLDERS):
         for i in range(3):
-            _image(base / "GTSRB" / "Training" / folder / f"{label:05d}_{i:05d}.ppm", seed=10 * label + i)
+            tiny_image(base / "GTSRB" / "Training" / folder / f"{label:05d}_{i:05d}.ppm", seed=10 * label + i)
     rows = ["Filename;Width;Height;Roi.X1;Roi.Y1;Roi.X2;Roi.Y2;ClassId"]
     for i, label in enumerate((0, 42, 7)):
-        _image(base / "GTSRB" / "Final_Test" / "Images" / f"{i:05d}.ppm", seed=1000 + i)
+        tiny_image(base / "GTSRB" / "Final_Test" / "Images" / f"{i:05d}.ppm", seed=1000 + i)
         rows.append(f"{i:05d}.ppm;6;6;0;0;5;5;{label}")
     (base / "GT-final_test.csv").write_text("\n".join(rows) + "\n")
     return {"train": 129, "test": 3}
@@ -74,13 +74,13 @@ def _fake_gtsrb(root: Path) -> dict:
 
 def _fake_sst2(root: Path) -> dict:
     base = root / "RenderedSST2" / "rendered-sst2"
-    _class_tree(base / "train", ("negative", "positive"), 25)
-    _class_tree(base / "test", ("negative", "positive"), 3, start=50)
+    class_tree(base / "train", ("negative", "positive"), 25)
+    class_tree(base / "test", ("negative", "positive"), 3, start=50)
     return {"train": 50, "test": 6}
 
 
 def _fake_small_mnist(root: Path) -> dict:
-    _fake_mnist(root, train=60, test=20)
+    fake_mnist(root, train=60, test=20)
     return {"train": 60, "test": 20}
 
 
