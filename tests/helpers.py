@@ -121,3 +121,14 @@ class WaitForFileAtStep(Callback):
         deadline = time.monotonic() + self.timeout
         while not self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+class SleepEachStep(Callback):
+    """A slow step: sleep `seconds` at the end of every optimiser step of this process (a public hook,
+    trainer.callbacks, so the step time mima measures includes it)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
