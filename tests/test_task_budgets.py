@@ -216,6 +216,21 @@ def test_budgets_run_at_w1_w2_and_after_a_sigkill_end_the_same(tmp_path, small_c
     assert_identical(finals(killed, FOUR), expected)
 
 
+@pytest.mark.slow
+def test_unequal_budgets_with_replicas_w4_on_two_tasks_match_one_process(tmp_path, small_clip):
+    """W > T: two processes share each task; the task groups take different numbers of steps per phase
+    (the smaller one waits at the sync) and the result is the one process's, bit for bit."""
+    model = {"steps": {"rot90": 24, "mirror": 12}, "iterations": 3}
+    results = {}
+    for devices in (1, 4):
+        out = tmp_path / f"w{devices}"
+        result = run_job(write_config(tmp_path / f"w{devices}.yaml", small_clip, ["rot90", "mirror"], devices, model=model), out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[devices] = finals(out, ["rot90", "mirror"])
+        assert json.loads((out / "final" / "mirror.json").read_text())["S"] == 12
+    assert_identical(results[4], results[1])
+
+
 def test_a_budget_change_is_refused_on_resume(tmp_path, small_clip, capsys):
     out = tmp_path / "run"
     stopped = run_job(budget_config(tmp_path / "stop.yaml", small_clip, 1, [("TouchStopAtStep", {"step": 10})]), out)
@@ -247,3 +262,13 @@ def test_a_process_with_less_work_waits_out_a_slow_step_at_its_sync(tmp_path, sm
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in records] == [1]
     assert records[0]["wait_s"][1] > 3 + 2, records  # process 1 did wait well past the base timeout
+
+
+def test_the_vit_l14_config_fits_a_40gb_gpu_by_default():
+    """configs/clip/ViT-L-14.yaml checkpoints activations at the paper's batch 128 (its comment has the
+    arithmetic: ~33 GB of bf16 activations without it, over an A100-40GB with the ~6 GB of states)."""
+    from mima.config.run_config import load_run_config
+
+    config = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "clip" / "ViT-L-14.yaml")
+    assert config.model.grad_checkpointing is True and config.data.batch_size == 128
+    assert config.other["trainer"]["precision"] == "bf16-mixed"
