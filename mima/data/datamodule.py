@@ -45,8 +45,8 @@ class TrainingSetup:
     mode: str = "mima"  # "joint": one model trained on every task's batch at every step
     preprocess_train: Callable | None = None  # for the training splits of suites of PIL images
     accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches of data.batch_size per optimiser step
-    # each run task's K_1 .. K_N (ModelSettings.task_lengths); empty: S / N for every task and phase
-    task_lengths: tuple[tuple[int, ...], ...] = ()
+    # the run's task names -> each task's K_1 .. K_N (ModelSettings.task_lengths); None: S / N for every task
+    task_lengths: Callable[[Sequence[str]], tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
             plan = PhasePlan(tasks=(JOINT,), local_tasks=(0,), total_steps=setup.steps, iterations=1)
             head_tasks = tuple(range(len(self.task_specs)))
         else:
-            task_lengths = setup.task_lengths or (phase_lengths(setup.steps, setup.iterations),) * len(self.task_specs)
+            if setup.task_lengths is not None:
+                task_lengths = setup.task_lengths(self.task_names)
+            else:
+                task_lengths = (phase_lengths(setup.steps, setup.iterations),) * len(self.task_specs)
             # tasks are dealt by their budgets (mima.core.layout.deal_tasks), whoever made the layout
             layout = TaskLayout(layout.num_tasks, layout.world_size, tuple(map(sum, task_lengths)))
             plan = plan_for_budgets(self.task_names, layout.local_tasks(setup.rank), task_lengths, setup.iterations)

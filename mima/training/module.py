@@ -97,7 +97,7 @@ class MimaModule(L.LightningModule):
                 rank=self.trainer.global_rank,
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
-                task_lengths=() if self.hparams.mode == "joint" else self.settings.task_lengths(datamodule.task_names),
+                task_lengths=None if self.hparams.mode == "joint" else self.settings.task_lengths,
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
