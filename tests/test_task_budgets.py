@@ -219,7 +219,9 @@ def test_budgets_run_at_w1_w2_and_after_a_sigkill_end_the_same(tmp_path, small_c
 @pytest.mark.slow
 def test_unequal_budgets_with_replicas_w4_on_two_tasks_match_one_process(tmp_path, small_clip):
     """W > T: two processes share each task; the task groups take different numbers of steps per phase
-    (the smaller one waits at the sync) and the result is the one process's, bit for bit."""
+    (the smaller one waits at the sync). DDP averages the replicas' gradients, whose float sums round
+    differently from one process's (W > T is not bit-identical at equal budgets either), so the task
+    models agree with one process's up to rounding: far closer than training moved them."""
     model = {"steps": {"rot90": 24, "mirror": 12}, "iterations": 3}
     results = {}
     for devices in (1, 4):
@@ -232,7 +234,12 @@ def test_unequal_budgets_with_replicas_w4_on_two_tasks_match_one_process(tmp_pat
         assert result.returncode == 0, result.stderr[-3000:]
         results[devices] = finals(out, ["rot90", "mirror"])
         assert json.loads((out / "final" / "mirror.json").read_text())["S"] == 12
-    assert_identical(results[4], results[1])
+    pretrained = load_state_dict(tmp_path / "w1" / "pretrained.safetensors")
+    for task in ("rot90", "mirror"):
+        keys = [k for k in pretrained if pretrained[k].is_floating_point()]
+        flat = {w: torch.cat([results[w][task][k].double().reshape(-1) for k in keys]) for w in (1, 4)}
+        moved = (flat[1] - torch.cat([pretrained[k].double().reshape(-1) for k in keys])).norm()
+        assert (flat[4] - flat[1]).norm() < 1e-2 * moved, task
 
 
 def test_a_budget_change_is_refused_on_resume(tmp_path, small_clip, capsys):

@@ -19,8 +19,8 @@ belongs to, as immutable per-(task, phase) files) and restores it on resume.
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
 before entering it they agree through the stop store whether to sync or to stop
 (mima.training.preemption), and a process waits there for the others as long as the plan says the
-slowest may still train (mima.training.sync_deadline). A stop there leaves the sync pending: the state saved then resumes by
-running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
+slowest may still train (mima.training.sync_deadline). A stop there leaves the sync pending: the
+state saved then resumes by running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
 in its CSV log, `wait_s` per process in metrics.jsonl).
 """
 
