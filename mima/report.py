@@ -22,6 +22,7 @@ import html
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,7 +257,7 @@ def _run_settings(run: Path) -> list[str]:
         f"tasks: {', '.join(data.tasks or [])}"
         + (f"benchmark {data.benchmark}" if getattr(data, "benchmark", None) is not None else "")
         + f" (suite `{data.suite}`)",
-        f"S = {model.steps} steps per task, N = {model.iterations} phases of K = {model.steps // model.iterations} steps; "
+        f"{_budget_text(model.steps, model.iterations)}; "
         f"lr {model.lr}, batch {data.batch_size}, schedule {model.lr_schedule}, optimiser state {model.optimizer_state}",
         f"trainer: {trainer.get('accelerator')} x {trainer.get('devices')} device(s), {trainer.get('num_nodes', 1)} node(s), "
         f"precision {trainer.get('precision')}",
@@ -332,3 +333,11 @@ def main(options: argparse.Namespace) -> None:
     started = time.time()
     written = write_report(options.folder, options.out, options.overwrite)
     print(f"mima report: wrote {', '.join(map(str, written))} in {time.time() - started:.1f} s")
+
+
+def _budget_text(steps, iterations: int) -> str:
+    """S and K, or each task's S_t and K_t (model.steps as a map)."""
+    if isinstance(steps, Mapping):
+        per_task = ", ".join(f"{task} {budget} (K = {budget // iterations})" for task, budget in steps.items())
+        return f"per-task budgets S_t: {per_task}; N = {iterations} phases"
+    return f"S = {steps} steps per task, N = {iterations} phases of K = {steps // iterations} steps"

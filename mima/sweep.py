@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mima.config.run_config import load_run_config
+from mima.core.errors import MimaError
 from mima.core.plan import check_budget
 from mima.core.run_folder import JOINT, SweepFolder
 from mima.evaluate_runs import data_free_per_model, evaluate_runs
@@ -44,9 +45,13 @@ def run_sweep(
     are resumed (finished ones kept) unless `overwrite`, which trains them anew."""
     started = time.time()
     model = load_run_config(config).model  # checked and defaulted as `mima fit` would
-    steps = int(model.steps)
+    steps = model.steps  # S, or S_t per task
+    budgets = steps if isinstance(steps, Mapping) else {"": steps}
     for n in iterations:
-        check_budget(steps, n, names=("model.steps", "iterations"))
+        for task, budget in budgets.items():
+            check_budget(int(budget), n, names=(f"model.steps.{task}" if task else "model.steps", "iterations"))
+    if joint and isinstance(steps, Mapping):
+        raise MimaError("model.steps: the joint baseline trains every task for one S; per-task budgets need --no-joint")
     methods = data_free_per_model(merges)
     sweep = SweepFolder(out_dir)
     sweep.prepare(overwrite)

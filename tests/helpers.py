@@ -560,3 +560,21 @@ class RecordMomentsOnDisk(Callback):
                          for p in (run / "checkpoints" / "moments").glob("phase-*/*.safetensors"))
         with (run / ".moments-on-disk").open("a") as stream:
             stream.write(json.dumps({"step": trainer.global_step, "moments": moments}) + "\n")
+
+
+class SleepEachStep(Callback):
+    """A slow step: sleep `seconds` at the end of every optimiser step of this process (a public hook,
+    trainer.callbacks, so the step time mima measures includes it). With `sync_timeout`, the syncs'
+    base timeout (--collective_timeout's part in StopAgreement) becomes that many seconds once training
+    starts; the process group's rendezvous keeps --collective_timeout, since on a loaded machine a few
+    seconds are not enough for the processes to meet."""
+
+    def __init__(self, seconds: float, sync_timeout: float | None = None) -> None:
+        self.seconds, self.sync_timeout = seconds, sync_timeout
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.sync_timeout is not None:
+            trainer.strategy.stop.timeout_s = self.sync_timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)

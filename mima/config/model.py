@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mima.core.errors import MimaError
-from mima.core.plan import phase_lengths
+from mima.core.plan import phase_lengths, task_phase_lengths
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
@@ -32,7 +32,10 @@ class ModelSettings:
         clip: open_clip model: an architecture name, `local-dir:PATH`, or `embedded:tiny-digits`.
         pretrained: pretrained tag or checkpoint file for an architecture name (ignored for
             `local-dir:` and `embedded:` models, which carry their weights).
-        steps: S, optimiser steps per task over the whole run.
+        steps: S, optimiser steps per task over the whole run; or a map task -> S_t giving each task
+            its own budget (every task of the run named once; each S_t a multiple of N): task t then
+            takes K_t = S_t / N steps per phase, and the tasks are dealt to processes largest first
+            so that their steps per phase are as even as possible.
         iterations: N, the number of MIMA phases; K = S / N steps per task per phase. N = 1 is
             independent fine-tuning.
         lr: AdamW learning rate.
@@ -86,7 +89,7 @@ class ModelSettings:
 
     clip: str = "ViT-B-32"
     pretrained: str | None = "openai"
-    steps: int = 2000
+    steps: int | dict[str, int] = 2000
     iterations: int = 20
     lr: float = 1e-5
     weight_decay: float = 0.1
@@ -107,15 +110,25 @@ class ModelSettings:
     phase_ratio: float = 2.0
 
     def __post_init__(self) -> None:
-        lengths = phase_lengths(self.steps, self.iterations, self.phase_schedule, self.phase_ratio)
+        # a map is checked against its own task names here; that they are the run's tasks, where those are known
+        names = list(self.steps) if isinstance(self.steps, dict) else ["every task"]
+        shortest = min(min(lengths) for lengths in self.task_lengths(names))
+        if isinstance(self.steps, dict) and self.mode == "joint":
+            raise MimaError("model.steps: the joint baseline trains one model on every task at once; give one number of "
+                            "steps, not a map of per-task budgets")
         if self.lr <= 0:
             raise MimaError(f"model.lr must be positive, got {self.lr}")
         if self.warmup_steps < 0:
             raise MimaError(f"model.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.probe_shots is not None and self.probe_shots < 1:
             raise MimaError(f"model.probe_shots must be a positive number of images per class, got {self.probe_shots}")
-        steps_per_phase = min(lengths)
-        if self.segment_warmup_steps < 0 or self.segment_warmup_steps > steps_per_phase:
+        if self.segment_warmup_steps < 0 or self.segment_warmup_steps > shortest:
             raise MimaError(
-                f"model.segment_warmup_steps must be in 0 .. K = {steps_per_phase} (steps per phase, the shortest), got {self.segment_warmup_steps}"
+                f"model.segment_warmup_steps must be in 0 .. K = {shortest} (steps per phase, the shortest), got {self.segment_warmup_steps}"
             )
+
+    def task_lengths(self, tasks: list[str]) -> tuple[tuple[int, ...], ...]:
+        """K_1 .. K_N of each of the run's `tasks` (one budget for all, or the map's S_t)."""
+        if isinstance(self.steps, dict) and not self.steps:
+            raise MimaError("model.steps: an empty map; give one number of steps or one per task")
+        return task_phase_lengths(self.steps, tasks, self.iterations, self.phase_schedule, self.phase_ratio)

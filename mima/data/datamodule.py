@@ -11,7 +11,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from mima.core.layout import TaskLayout
-from mima.core.plan import PhasePlan
+from mima.core.plan import PhasePlan, phase_lengths, plan_for_budgets
 from mima.core.settings import takes_settings
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
@@ -33,19 +33,20 @@ NO_SUITE = (None, "custom")
 @dataclass(frozen=True)
 class TrainingSetup:
     """What the data needs from the model and the process: the model's image transforms (evaluation,
-    and training: None trains on the evaluation transform), the run's budget (S, N) and which tasks
-    this process trains."""
+    and training: None trains on the evaluation transform), the run's budget (S, N, or each task's
+    phase lengths) and which tasks this process trains."""
 
     image_size: int
     preprocess: Callable | None
-    steps: int
+    steps: int | dict[str, int]  # model.steps (the joint baseline's S; MIMA runs read task_lengths)
     iterations: int
     layout: TaskLayout | None  # None: one process trains every task
     rank: int
     mode: str = "mima"  # "joint": one model trained on every task's batch at every step
     preprocess_train: Callable | None = None  # for the training splits of suites of PIL images
     accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches of data.batch_size per optimiser step
-    lengths: tuple[int, ...] = ()  # K_1 .. K_N (mima.core.plan.phase_lengths); empty: equal phases
+    # the run's task names -> each task's K_1 .. K_N (ModelSettings.task_lengths); None: S / N for every task
+    task_lengths: Callable[[Sequence[str]], tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,13 @@ class TaskSuiteDataModule(L.LightningDataModule):
             plan = PhasePlan(tasks=(JOINT,), local_tasks=(0,), total_steps=setup.steps, iterations=1)
             head_tasks = tuple(range(len(self.task_specs)))
         else:
-            plan = PhasePlan(
-                tasks=tuple(self.task_names),
-                local_tasks=layout.local_tasks(setup.rank),
-                total_steps=setup.steps,
-                iterations=setup.iterations,
-                lengths=setup.lengths,
-            )
+            if setup.task_lengths is not None:
+                task_lengths = setup.task_lengths(self.task_names)
+            else:
+                task_lengths = (phase_lengths(setup.steps, setup.iterations),) * len(self.task_specs)
+            # tasks are dealt by their budgets (mima.core.layout.deal_tasks), whoever made the layout
+            layout = TaskLayout(layout.num_tasks, layout.world_size, tuple(map(sum, task_lengths)))
+            plan = plan_for_budgets(self.task_names, layout.local_tasks(setup.rank), task_lengths, setup.iterations)
             head_tasks = plan.local_tasks
         self._setup = setup
         self._process = ProcessTasks(

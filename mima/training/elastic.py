@@ -103,7 +103,7 @@ class Redeal:
 def plan_redeal(run_dir: Path, cut: dict, source_world_size: int, layout: TaskLayout, expected: dict) -> Redeal:
     """How the cut (rank -> resume.SavedState) of `source_world_size` processes resumes on `layout`."""
     tasks = tuple(expected["tasks"])
-    source = TaskLayout(len(tasks), source_world_size)
+    source = TaskLayout(len(tasks), source_world_size, layout.work)  # dealt as it was: the budgets are the same
     phases = {state.avg_phase for state in cut.values()}
     if len(phases) != 1:
         raise MimaError(f"--ckpt_path: the states {sorted(str(s.path) for s in cut.values())} do not share a phase average")

@@ -2,8 +2,8 @@
 
 The paper's recipe (paper 001, section 5; task_vectors' `cosine_lr`): linear warm-up
 lr * (s + 1) / w for s < w, then cosine decay 0.5 * (1 + cos(pi * (s - w) / (S - w))) over the
-rest of the budget. `scope="run"` (the default) runs this once over the whole budget S, keyed on
-the task step s; `scope="phase"` restarts it in every phase over K steps.
+rest of the budget. `scope="run"` (the default) runs this once over the task's whole budget S_t,
+keyed on the task step s; `scope="phase"` restarts it in every phase over K steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def lr_factor(
     step = min(process_step, plan.local_steps - 1)  # Lightning evaluates one step past the end
     position = plan.position(step)
     if scope == "run":
-        local_step, total = position.task_step, plan.total_steps
+        local_step, total = position.task_step, position.task_budget  # this task's S_t
     else:
         local_step, total = position.step_in_phase, position.phase_length
     warmup = min(warmup, total)

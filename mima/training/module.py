@@ -24,7 +24,7 @@ from mima.models.clip import LoadedClip, default_cache_dir, load_clip
 from mima.models.heads import task_heads
 from mima.core.layout import TaskLayout
 from mima.training.lr_schedule import lr_factor
-from mima.core.plan import PhasePlan, StepPosition, phase_lengths
+from mima.core.plan import PhasePlan, StepPosition
 from mima.core.settings import takes_settings
 from mima.config.model import ModelSettings
 from mima.data.datamodule import ProcessTasks, TrainingSetup
@@ -97,8 +97,7 @@ class MimaModule(L.LightningModule):
                 rank=self.trainer.global_rank,
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
-                lengths=() if self.hparams.mode == "joint" else phase_lengths(
-                    self.hparams.steps, self.hparams.iterations, self.hparams.phase_schedule, self.hparams.phase_ratio),
+                task_lengths=None if self.hparams.mode == "joint" else self.settings.task_lengths,
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard

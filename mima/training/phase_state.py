@@ -77,6 +77,7 @@ class PhaseState:
     step_losses: StepLosses = field(default_factory=StepLosses)  # on the device, not yet in loss_sums
     unlogged: list[StepLoss] = field(default_factory=list)  # settled, not yet written to the loggers
     pending_sync: bool = False  # stopped at a sync before entering it: run it first on resume
+    step_seconds: float | None = None  # this process's median step time (how long its syncs wait; not the weights)
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
 
     @property
@@ -122,6 +123,7 @@ class PhaseState:
             "moments_phase": dict(self.moments_phase),
             "loss_sums": dict(self.loss_sums),
             "pending_sync": self.pending_sync,
+            "step_seconds": self.step_seconds,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -133,6 +135,7 @@ class PhaseState:
         self.task_moments = {int(slot): moments for slot, moments in state["task_moments"].items()}
         self.moments_phase = {int(slot): int(phase) for slot, phase in state["moments_phase"].items()}
         self.pending_sync = bool(state["pending_sync"])
+        self.step_seconds = state.get("step_seconds")  # absent in states saved before it was kept
         self.restored = True
 
 

@@ -66,7 +66,8 @@ class StopAgreement:
         run_dir: the run folder (where `STOP` is looked for).
         enabled: False when nothing could be saved (checkpointing off): requests are ignored.
         timeout_s: seconds a process waits at a sync for the others before the run fails (a process
-            that died cannot hang the job; one that failed with an error says so at once).
+            that died cannot hang the job; one that failed with an error says so at once), on top of
+            the time the plan gives the others to finish their steps (`at_sync`'s allowance).
     """
 
     def __init__(self, run_dir: Path, enabled: bool = True, timeout_s: float = 1800.0) -> None:
@@ -79,6 +80,7 @@ class StopAgreement:
         self.store: dist.Store | None = None
         self.stopped_by: int | None = None  # signal number that stopped the run; 0: the STOP file
         self.waits: list[float] = []  # seconds this process waited at each sync for the others
+        self.allowance_s = 0.0  # at the running sync: how much longer than timeout_s the others may take
         self._next_look = 0.0  # time.monotonic() from which at_step asks the store again
 
     def connect(self, world_size: int, task_group, device: torch.device, store: dist.Store | None) -> None:
@@ -144,10 +146,13 @@ class StopAgreement:
         self._next_look = now + LOOK_EVERY_S
         return True
 
-    def at_sync(self, phase: int) -> bool:
-        """At the sync ending `phase`: True to enter it, False if the run stops before it."""
+    def at_sync(self, phase: int, allowance_s: float = 0.0) -> bool:
+        """At the sync ending `phase`: True to enter it, False if the run stops before it. The process
+        waits up to timeout_s + `allowance_s` (the time the others may legitimately still train:
+        mima.training.sync_deadline) before it declares a process dead."""
         if self.store is None:
             return not self.at_step(phase)
+        self.allowance_s = allowance_s
         arrived_at = time.monotonic()
         arrivals = f"mima/arrive/{phase}"
         self.store.add(arrivals, 1)
@@ -177,11 +182,12 @@ class StopAgreement:
         if self.store.check([FAILED]):
             rank = self.store.get(FAILED).decode()
             raise MimaError(f"process {rank} failed; stopping at the sync of phase {phase + 1} (see its error above)")
-        if time.monotonic() - arrived_at > self.timeout_s:
+        if time.monotonic() - arrived_at > self.timeout_s + self.allowance_s:
             arrived = self.store.add(f"mima/arrive/{phase}", 0)
             raise MimaError(
                 f"only {arrived} of {self.world_size} processes reached the sync of phase {phase + 1} within "
-                f"{self.timeout_s:.0f} s (--collective_timeout); a process has died or hangs"
+                f"{self.timeout_s + self.allowance_s:.0f} s (--collective_timeout {self.timeout_s:.0f} s + "
+                f"{self.allowance_s:.0f} s for the steps the others had left); a process has died or hangs"
             )
 
 

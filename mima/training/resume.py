@@ -170,7 +170,7 @@ def choose_resume(run_dir: Path, layout: TaskLayout, expected: dict) -> tuple[Re
     for world_size, states in sorted(by_layout.items()):
         if world_size != here and check_world_size(layout.num_tasks, world_size, here, raise_error=False):
             continue  # a layout this run cannot continue; refused below if it is the only one
-        cut = layout_cut(TaskLayout(layout.num_tasks, world_size), states)
+        cut = layout_cut(TaskLayout(layout.num_tasks, world_size, layout.work), states)  # budgets cannot change on resume
         if cut is None:
             continue
         cuts[world_size] = cut

@@ -52,6 +52,7 @@ class MimaStrategy(DDPStrategy):
                  **ddp_options) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s), **ddp_options)
         self.num_tasks = num_tasks
+        self.task_work: tuple[int, ...] = ()  # each task's budget, by which tasks are dealt (set by `mima fit`)
         self.timeout_s = timeout_s
         self.ddp_options = ddp_options
         self.stop = stop
@@ -61,7 +62,7 @@ class MimaStrategy(DDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self.layout = TaskLayout(self.num_tasks, self.world_size)
+        self.layout = TaskLayout(self.num_tasks, self.world_size, self.task_work)
         if self.layout.replicas > 1:
             self.task_group, _ = dist.new_subgroups_by_enumeration(self.layout.task_group_ranks())
         if self.stop is not None:

@@ -18,14 +18,16 @@ belongs to, as immutable per-(task, phase) files) and restores it on resume.
 
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
 before entering it they agree through the stop store whether to sync or to stop
-(mima.training.preemption). A stop there leaves the sync pending: the state saved then resumes by
-running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
+(mima.training.preemption), and a process waits there for the others as long as the plan says the
+slowest may still train (mima.training.sync_deadline). A stop there leaves the sync pending: the
+state saved then resumes by running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
 in its CSV log, `wait_s` per process in metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diago
 from mima.training.averaging import average_phase, gather_task_values
 from mima.training.phase_state import PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
+from mima.training.sync_deadline import StepClock, lag_steps, sync_allowance_s
 from mima.training.sync_merge import SyncMerge
 
 StateDict = dict[str, torch.Tensor]
@@ -95,6 +98,8 @@ class MimaSyncCallback(Callback):
         self.before_sync = before_sync
         self.sync_merge = sync_merge if sync_merge is not None else SyncMerge()
         self.watch = StepWatch()
+        self.clock = StepClock()  # this process's step time, for how long a sync waits (sync_deadline)
+        self.resumed_phase: int | None = None  # the phase a resumed process started in (its sync waits longer)
 
     # ----------------------------------------------------------------------------- start
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -122,9 +127,14 @@ class MimaSyncCallback(Callback):
         # Here, unlike in on_fit_start, Lightning has already restored the step counter and optimiser.
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
+        plan = pl_module.plan
+        if self.phases.restored:
+            self.clock.saved = self.phases.step_seconds
+            self.resumed_phase = plan.position(min(trainer.global_step, plan.local_steps - 1)).phase
         if self.phases.pending_sync:
             step = trainer.global_step - 1
-            if not self._sync(trainer, pl_module, pl_module.plan.position(step).phase, step + 1, resumed=True):
+            self.resumed_phase = plan.position(step).phase
+            if not self._sync(trainer, pl_module, plan.position(step).phase, step + 1, resumed=True):
                 raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
 
     # ------------------------------------------------------------------------ each step
@@ -142,18 +152,21 @@ class MimaSyncCallback(Callback):
         self.phases.step_losses.add_micro_batch(loss)
         if not stepped:
             return
+        self.clock.step_ended(time.monotonic())
         self.phases.step_losses.end_step(step, position.slot)
         ends_segment = plan.ends_segment(step)
         if ends_segment or _logging_due(trainer.log_every_n_steps, step):
             self._log_step_losses(trainer, pl_module)
         if not ends_segment:
             return
+        self.phases.step_seconds = self.clock.median()  # saved with the state (a resumed sync's wait)
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
             self._sync(trainer, pl_module, position.phase, step + 1)
-            return
-        self._load_into_encoder(pl_module, self.phases.avg)
-        self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
+        else:
+            self._load_into_encoder(pl_module, self.phases.avg)
+            self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
+        self.clock.restart(time.monotonic())
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._log_step_losses(trainer, pl_module)  # a run stopped inside a segment: its last steps' losses
@@ -163,7 +176,9 @@ class MimaSyncCallback(Callback):
         `resumed`: the pending sync of a resumed run, run from on_train_start."""
         if self.before_sync is not None:
             self.before_sync()
-        if not self.stop.at_sync(phase):
+        plan = pl_module.plan
+        lag = lag_steps(pl_module.layout, plan.task_lengths, phase, resumed_in_phase=phase == self.resumed_phase)
+        if not self.stop.at_sync(phase, sync_allowance_s(lag, self.clock.median())):
             self.phases.pending_sync = True
             return False
         self.phases.pending_sync = False
@@ -199,7 +214,7 @@ class MimaSyncCallback(Callback):
             self.phases.moments_phase[position.slot] = position.phase
         is_leader = pl_module.layout.is_leader(trainer.global_rank)
         if position.phase == plan.iterations - 1 and is_leader:
-            self._save_final(trainer, pl_module, plan.tasks[position.task_index], self.phases.segment_ends[position.slot])
+            self._save_final(trainer, pl_module, position.task_index, self.phases.segment_ends[position.slot])
 
     def _end_phase(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> None:
         plan, layout = pl_module.plan, pl_module.layout
@@ -214,14 +229,15 @@ class MimaSyncCallback(Callback):
         self.phases.avg = {key: value.to(device) for key, value in start.items()}
         self.phases.avg_phase = phase
         length = plan.lengths[phase]
-        mean_losses = {plan.local_tasks[slot]: total / length for slot, total in self.phases.loss_sums.items()}
+        mean_losses = {plan.local_tasks[slot]: total / plan.phase_length(plan.local_tasks[slot], phase)
+                       for slot, total in self.phases.loss_sums.items()}
         losses = gather_task_values(mean_losses, layout)
         waits = gather_task_values({trainer.global_rank: self.stop.waits[-1] if self.stop.waits else 0.0}, layout)
         cos_tau, cos_delta = cosine_from_gram(result.gram_tau), cosine_from_gram(result.gram_delta)
         record = {
             "phase": phase + 1,
-            "step": plan.task_steps_before(phase + 1),  # each task's steps so far
-            "K": length,  # this phase's steps per task
+            "step": plan.task_steps_before(phase + 1, _longest(plan)),  # each task's steps so far (the longest task's)
+            "K": length,  # this phase's steps per task (the longest task's)
             "global_step": global_step,
             "tasks": list(plan.tasks),
             "mean_cos_tau": mean_off_diagonal(cos_tau),
@@ -231,6 +247,11 @@ class MimaSyncCallback(Callback):
             "loss": {plan.tasks[task]: value for task, value in losses.items()},
             "wait_s": [round(waits[rank], 4) for rank in sorted(waits)],  # per process, before this sync
         }
+        if not plan.uniform:  # per-task budgets: each task's S_t, its steps so far and this phase's K_t
+            indices = range(plan.num_tasks)
+            record["budgets"] = {plan.tasks[t]: plan.budget(t) for t in indices}
+            record["task_steps"] = {plan.tasks[t]: plan.task_steps_before(phase + 1, t) for t in indices}
+            record["task_K"] = {plan.tasks[t]: plan.phase_length(t, phase) for t in indices}
         diagnostics = {"mima/mean_cos_tau": record["mean_cos_tau"], "mima/mean_cos_delta": record["mean_cos_delta"]}
         if resumed:  # Lightning refuses self.log in on_train_start: straight to the loggers
             for logger in trainer.loggers:
@@ -261,16 +282,24 @@ class MimaSyncCallback(Callback):
             own = _moments_for_optimizer(self.phases.task_moments[next_slot], device)
             optimizer.load_state_dict({"state": own, "param_groups": groups})
 
-    def _save_final(self, trainer, pl_module, task: str, weights: StateDict) -> None:
+    def _save_final(self, trainer, pl_module, task_index: int, weights: StateDict) -> None:
         plan, tasks = pl_module.plan, pl_module.tasks
+        lengths = plan.task_lengths[task_index]
         metadata = {
-            "task": task,
+            "task": plan.tasks[task_index],
             "N": plan.iterations,
-            "K": plan.lengths[0] if plan.equal_phases else list(plan.lengths),
-            "S": plan.total_steps,
+            "K": lengths[0] if len(set(lengths)) == 1 else list(lengths),  # this task's steps per phase
+            "S": plan.budget(task_index),  # this task's budget S_t
             "seed": tasks.seed,
             "tasks": list(plan.tasks),
             "world_size": pl_module.layout.world_size,
             "config": {"model": dict(pl_module.hparams), "data": tasks.settings},
         }
-        RunFolder(Path(trainer.default_root_dir)).write_final(task, weights, metadata)
+        if not plan.uniform:
+            metadata["budgets"] = {name: plan.budget(t) for t, name in enumerate(plan.tasks)}
+        RunFolder(Path(trainer.default_root_dir)).write_final(plan.tasks[task_index], weights, metadata)
+
+
+def _longest(plan) -> int:
+    """The run task with the largest budget (the first of them): the one whose steps metrics.jsonl counts."""
+    return max(range(plan.num_tasks), key=plan.budget)

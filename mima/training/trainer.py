@@ -50,7 +50,6 @@ from mima.training.rank_logger import rank_loggers
 from mima.training.elastic import check_world_size
 from mima.training.resume import ResumeCut, log_resume, resolve_resume, run_identity
 from mima.training.strategy import MimaStrategy
-from mima.core.plan import phase_lengths
 from mima.training.sync import MimaSyncCallback
 from mima.training.sync_merge import SyncMerge
 
@@ -128,6 +127,8 @@ class MimaCLI(LightningCLI):
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         self.launch: Launch | None = None
+        # each task's phase lengths: a map of budgets that does not name exactly the run's tasks is refused here
+        self.task_lengths = self.model.settings.task_lengths(self.datamodule.task_names)
         world_size = configured_world_size(trainer_config)
         if world_size is not None:  # "auto", lists: known once the Trainer exists (then run_fit prepares it)
             # the layout and the checkpoint to resume, checked before the Trainer prints anything
@@ -136,7 +137,7 @@ class MimaCLI(LightningCLI):
         every = SaveSchedule.parse(config.get("checkpoint_every"))
         saving = every.saves and trainer_config.get("enable_checkpointing") is not False
         stop = StopAgreement(self.run_dir, enabled=saving, timeout_s=config["collective_timeout"])
-        kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(),
+        kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(), self.task_work(),
                                        config["collective_timeout"], stop)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(launch_rank()))
@@ -162,15 +163,22 @@ class MimaCLI(LightningCLI):
         """Tasks for the process layout: the joint baseline trains one model on all tasks (plain DDP)."""
         return 1 if self.model.hparams.mode == JOINT else len(self.datamodule.task_names)
 
+    def task_work(self) -> tuple[int, ...]:
+        """What the tasks are dealt to processes by (TaskLayout.work): each task's budget S_t."""
+        return () if self.model.hparams.mode == JOINT else tuple(map(sum, self.task_lengths))
+
     def prepare_launch(self, world_size: int) -> Launch:
         """The layout of the run on `world_size` processes, its identity and the cut to resume from:
         computed once per `mima fit`, before any process writes."""
-        layout = check_layout(self.num_tasks(), world_size, self.datamodule.hparams.batch_size)
+        layout = check_layout(self.num_tasks(), world_size, self.datamodule.hparams.batch_size, self.task_work())
         hparams = self.model.hparams
         joint = hparams.mode == JOINT
-        lengths = None if joint else phase_lengths(hparams.steps, hparams.iterations, hparams.phase_schedule, hparams.phase_ratio)
+        # the longest task's lengths; with per-task budgets `steps` (the map) tells the tasks apart
+        lengths = None if joint else max(self.task_lengths, key=sum)
         identity = run_identity(self.datamodule.task_names, hparams.steps, 1 if joint else hparams.iterations,
                                 world_size, hparams.mode, lengths)
+        if launch_rank() == 0 and not joint and len(set(self.task_lengths)) > 1:
+            print(budget_summary(self.datamodule.task_names, self.task_lengths, layout))
         resume_states, notes = resolve_resume(self.config.get("ckpt_path"), self.run_dir, layout, identity)
         changes = self.check_resumed_config(resume_states)
         return Launch(layout, identity, resume_states, notes, changes)
@@ -226,9 +234,18 @@ def configured_world_size(trainer_config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout:
+def budget_summary(tasks: list[str], task_lengths, layout: TaskLayout) -> str:
+    """Each task's budget and each process's tasks and steps per phase (the first phase's), for the log."""
+    budgets = ", ".join(f"{task} S={sum(lengths)} (K={lengths[0]})" for task, lengths in zip(tasks, task_lengths))
+    steps = layout.phase_steps(task_lengths, 0)
+    processes = "; ".join(f"process {rank}: {', '.join(tasks[t] for t in layout.local_tasks(rank))} ({steps[rank]} steps)"
+                          for rank in range(layout.world_size))
+    return f"mima fit: per-task budgets {budgets}; per phase {processes}"
+
+
+def check_layout(num_tasks: int, world_size: int, batch_size: int, work: tuple[int, ...] = ()) -> TaskLayout:
     """The process layout of T tasks on W processes, refused (one line) where it cannot work."""
-    layout = TaskLayout(num_tasks, world_size)
+    layout = TaskLayout(num_tasks, world_size, work)
     if batch_size % layout.replicas:
         raise MimaError(
             f"data.batch_size={batch_size} does not split evenly over the {layout.replicas} processes that share each task"
@@ -236,7 +253,7 @@ def check_layout(num_tasks: int, world_size: int, batch_size: int) -> TaskLayout
     return layout
 
 
-def _strategy(configured, num_tasks: int, timeout_s: int, stop: StopAgreement) -> MimaStrategy:
+def _strategy(configured, num_tasks: int, task_work: tuple[int, ...], timeout_s: int, stop: StopAgreement) -> MimaStrategy:
     if configured in (None, "auto", "ddp", "mima"):
         strategy = MimaStrategy(num_tasks=num_tasks, timeout_s=timeout_s, stop=stop)
     elif isinstance(configured, MimaStrategy):
@@ -246,6 +263,7 @@ def _strategy(configured, num_tasks: int, timeout_s: int, stop: StopAgreement) -
         raise MimaError(
             f"trainer.strategy: {configured!r} would mix tasks; mima runs its own task-parallel DDP (leave it unset)"
         )
+    strategy.task_work = task_work
     if SLURMEnvironment.detect():
         # Requeueing is done by mima at a step boundary, not inside Lightning's signal handler.
         strategy.cluster_environment = SLURMEnvironment(auto_requeue=False)
