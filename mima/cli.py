@@ -41,7 +41,6 @@ from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES, add_merge_argumen
 from mima.config.source import check_config_source
 from mima.convert.options import add_arguments as add_convert_arguments
 from mima.core.errors import MimaError
-from mima.data.benchmarks import BENCHMARKS
 from mima.merging.catalogue import check_method_name
 
 COMMANDS = {
@@ -512,6 +511,8 @@ def splits_command(argv: Sequence[str]) -> None:
 
 def _add_root_and_tasks(parser: argparse.ArgumentParser, verb: str) -> None:
     """--root and the task selection of `mima data check` and `mima data prepare`."""
+    from mima.data.benchmarks import BENCHMARKS  # here: a merge or a fit has no use for the data package
+
     parser.add_argument("--root", type=Path, required=True, help="the data root (data.root of a fit config)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--tasks", nargs="+", metavar="TASK", help=f"tasks to {verb} (default: all tasks of the clip suite)")

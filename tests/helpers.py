@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
@@ -578,3 +579,29 @@ class SleepEachStep(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         time.sleep(self.seconds)
+
+
+# ============================================= uninterrupted reference runs (a module-scoped fixture)
+# (devices, tasks, model options) -> the reference run's folder
+REFERENCE_RUNS: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_clip):
+    """Uninterrupted runs, computed once per (devices, tasks, model options)."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("reference")
+    REFERENCE_RUNS.clear()
+
+    def get(devices: int, tasks: list[str], model: dict | None = None):
+        key = (devices, tuple(tasks), tuple(sorted((model or {}).items())))
+        if key not in cache:
+            name = f"w{devices}-{len(tasks)}-{len(cache)}"
+            out = root / name
+            result = run_job(write_config(root / f"{name}.yaml", small_clip, tasks, devices, model=model), out)
+            assert result.returncode == 0, result.stderr[-3000:]
+            cache[key] = finals(out, tasks)
+            REFERENCE_RUNS[key] = out
+        return cache[key]
+
+    return get

@@ -15,7 +15,7 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.training.checkpoint_callback import SaveSchedule
-from tests.test_distributed import FOUR, STEPS, TWO, assert_identical, finals, reference, run_job, write_config
+from tests.helpers import FOUR, STEPS, TWO, assert_identical, finals, reference, run_job, write_config
 
 __all__ = ["reference"]  # a fixture (uninterrupted runs): imported for pytest to find
 

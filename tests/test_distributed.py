@@ -23,35 +23,11 @@ import yaml
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
 from mima.training.sync_merge import SyncMerge
-from tests.helpers import (FOUR, ITERATIONS, REPO, STEPS, TWO, assert_identical, assert_trained, finals, job_environment,
-                           logged_losses, run_job, write_config)
+from tests.helpers import (FOUR, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical, assert_trained, finals,
+                           job_environment, logged_losses, reference, run_job, write_config)
 
 
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
-
-
-REFERENCE_RUNS: dict[tuple[int, tuple[str, ...]], Path] = {}  # (devices, tasks) -> the reference run's folder
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_clip):
-    """Uninterrupted runs, computed once per (devices, tasks, model options)."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("reference")
-    REFERENCE_RUNS.clear()
-
-    def get(devices: int, tasks: list[str], model: dict | None = None):
-        key = (devices, tuple(tasks), tuple(sorted((model or {}).items())))
-        if key not in cache:
-            name = f"w{devices}-{len(tasks)}-{len(cache)}"
-            out = root / name
-            result = run_job(write_config(root / f"{name}.yaml", small_clip, tasks, devices, model=model), out)
-            assert result.returncode == 0, result.stderr[-3000:]
-            cache[key] = finals(out, tasks)
-            REFERENCE_RUNS[key] = out
-        return cache[key]
-
-    return get
 
 
 def test_one_two_and_four_processes_write_the_same_task_models(reference, small_clip):
@@ -426,7 +402,7 @@ def test_a_run_stopped_at_one_w_resumes_at_another_and_ends_bit_identical(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in records] == [1, 2, 3]
     assert [len(r["wait_s"]) for r in records] == [resume_devices] * 3  # phase 1's sync ran on the new layout
-    whole = [json.loads(line) for line in (REFERENCE_RUNS[(1, tuple(FOUR))] / "metrics.jsonl").read_text().splitlines()]
+    whole = [json.loads(line) for line in (REFERENCE_RUNS[(1, tuple(FOUR), ())] / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == [r["loss"] for r in whole]  # kept loss sums of the finished segments
 
 

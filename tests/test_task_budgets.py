@@ -25,7 +25,7 @@ from mima.core.safetensors_io import load_state_dict
 from mima.data.sampler import PhaseBatchSampler
 from mima.training.lr_schedule import lr_factor, warmup_cosine
 from mima.training.sync_deadline import StepClock, lag_steps, sync_allowance_s
-from tests.test_distributed import assert_identical, finals, logged_losses, run_job, write_config
+from tests.helpers import assert_identical, finals, logged_losses, run_job, write_config
 
 FOUR = ["rot90", "rot180", "rot270", "mirror"]  # configs/demo.yaml's tasks
 BUDGETS = {"rot90": 64, "rot180": 32, "rot270": 32, "mirror": 16}
