@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     probes.add_argument("--full-probes", action="store_true",
                         help="fit the linear probes on up to 5000 images per task (model.probe_shots: null; strong heads)")
     parser.add_argument("--joint", action="store_true", help="also train the joint multi-task baseline (a `joint` row)")
-    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace results and runs already in --out (without it, runs already there resume, finished ones are kept)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--sync-merges", nargs="+", default=None,
                         help="phase-end operators to compare (model.sync_merge; e.g. uniform task_arithmetic ties)")

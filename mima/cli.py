@@ -287,7 +287,7 @@ def _demo_options(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"data-free merge strategies to compare (default: {' '.join(DEMO_MERGES)})")
     parser.add_argument("--no-joint", action="store_true",
                         help="skip the joint multi-task baseline (one model trained on all tasks, same S)")
-    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace results and runs already in --out (without it, runs already there resume, finished ones are kept)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser.parse_args(argv)
 
