@@ -2,6 +2,7 @@
 
     mima demo  [--out DIR] [--iterations 1 2 4 8] [--steps 320] ...   the embedded default end to end
     mima fit   --config FILE [--out DIR] [--trainer.* ...] [--model.* ...]  one MIMA run (LightningCLI)
+    mima plan  --config FILE [--trainer.devices W] [--trainer.num_nodes M] [--json]   what a run will cost
     mima prefetch --config FILE [--data.root DIR]   fetch a config's weights and datasets (login node)
     mima merge --method NAME [--base BASE] --models A B ... | RUN_DIR --output OUT [--select-on val] [--lam X] ...
     mima evaluate RUN_DIR [RUN_DIR ...] --out DIR [--merges uniform ties ...]   the Table-1 results of finished runs
@@ -46,6 +47,7 @@ from mima.merging.catalogue import check_method_name
 COMMANDS = {
     "demo": "run the embedded default end to end (pretrain, MIMA for several N, merge, evaluate)",
     "fit": "run one MIMA configuration (LightningCLI: --config FILE, --trainer.*, --model.*, --data.*)",
+    "plan": "what a run will cost before it starts: tasks per process, utilisation, device and host memory, disk",
     "prefetch": "download what a config needs (open_clip weights, torchvision datasets) before running it offline",
     "merge": "merge fine-tuned state dicts (or a run folder) with a registered strategy",
     "evaluate": "merge and evaluate finished runs (one per N): the Table-1 results table and plots",
@@ -85,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             demo_command(rest)
         elif command == "fit":
             return fit_command(rest)
+        elif command == "plan":
+            plan_command(rest)
         elif command == "prefetch":
             prefetch_command(rest)
         elif command == "merge":
@@ -232,6 +236,74 @@ def _check_fit_config_files(argv: Sequence[str]) -> None:
         holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
         if not holds_yaml and not Path(value).exists():
             raise MimaError(f"--config {value}: no such file")
+
+
+# ------------------------------------------------------------------------------- plan
+def _plan_options(argv: Sequence[str]) -> argparse.Namespace:
+    parser = _OneLineParser(
+        prog="mima plan",
+        description="Print what `mima fit` with this config would cost, before anything runs: each process's tasks and "
+        "the share of time spent waiting at syncs (with the W values that waste less), device memory per process "
+        "(weights, gradients, AdamW moments, the phase average, activations traced from the model on the meta "
+        "device), host memory per process and per node, the size of each checkpoint file, the bytes written over the "
+        "run, the peak on disk and the sync volume. No weights or data are read. `mima fit` prints the same at start.",
+    )
+    parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
+    parser.add_argument("--trainer.devices", dest="devices", type=int, default=None,
+                        help="processes per node (default: the config's trainer.devices)")
+    parser.add_argument("--trainer.num_nodes", dest="num_nodes", type=int, default=None,
+                        help="nodes (default: the config's trainer.num_nodes or 1)")
+    parser.add_argument("--data.benchmark", dest="benchmark", choices=("8", "14", "20"), default=None,
+                        help="plan for a clip-suite benchmark's task list instead of the config's")
+    parser.add_argument("--data.batch_size", dest="batch_size", type=int, default=None, help="instead of the config's")
+    parser.add_argument("--model.iterations", dest="iterations", type=int, default=None, help="N, instead of the config's")
+    parser.add_argument("--checkpoint_every", default="segment", help="as `mima fit --checkpoint_every` (default: segment)")
+    parser.add_argument("--device-memory", dest="device_memory", type=float, default=None, metavar="GIB",
+                        help="the memory of one device in GiB (default: the GPU present, or this machine's for the CPU); "
+                        "the plan says whether the run fits it")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes as integers)")
+    options = parser.parse_args(argv)
+    for name in ("devices", "num_nodes", "batch_size", "iterations"):
+        value = getattr(options, name)
+        if value is not None and value < 1:
+            flag = {"devices": "--trainer.devices", "num_nodes": "--trainer.num_nodes", "batch_size": "--data.batch_size",
+                    "iterations": "--model.iterations"}[name]
+            parser.error(f"{flag} {value}: expected a positive number")
+    if options.device_memory is not None and not options.device_memory > 0:
+        parser.error(f"--device-memory {options.device_memory}: expected a positive number of GiB")
+    return options
+
+
+def plan_command(argv: Sequence[str]) -> None:
+    options = _plan_options(argv)
+    check_config_source(options.config)
+    import json
+
+    import mima.training.trainer  # noqa: F401  (the fit stack: its import is part of a process's host memory)
+    from mima.config.run_config import load_run_config
+    from mima.training.resource_plan import format_plan, plan_for_config
+    from mima.training.checkpoint_callback import SaveSchedule
+
+    SaveSchedule.parse(options.checkpoint_every)
+    config = load_run_config(options.config)
+    if options.benchmark is not None:
+        config.data.benchmark, config.data.tasks = options.benchmark, None
+    if options.batch_size is not None:
+        config.data.batch_size = options.batch_size
+    if options.iterations is not None:
+        config.model.iterations = options.iterations
+    trainer = dict(config.other.get("trainer") or {})
+    devices = options.devices if options.devices is not None else trainer.get("devices", 1)
+    nodes = options.num_nodes if options.num_nodes is not None else trainer.get("num_nodes", 1)
+    if not str(devices).isdigit() or not str(nodes).isdigit():
+        raise MimaError(f"trainer.devices={devices!r}, trainer.num_nodes={nodes!r}: give numbers "
+                        "(--trainer.devices W --trainer.num_nodes M) to plan for")
+    memory = int(options.device_memory * 2**30) if options.device_memory is not None else None
+    plan, footprint, inputs = plan_for_config(config, int(devices) * int(nodes), int(nodes), options.checkpoint_every, memory)
+    if options.json:
+        print(json.dumps(plan.as_json(), indent=1))
+    else:
+        print(format_plan(plan, footprint, inputs))
 
 
 # --------------------------------------------------------------------------- prefetch
@@ -591,7 +663,7 @@ def report_command(argv: Sequence[str]) -> None:
 
 
 # the parse step of each command without subcommands (`parse`); fit's is LightningCLI's
-_OPTIONS = {"demo": _demo_options, "prefetch": _prefetch_options, "merge": _merge_options, "evaluate": _evaluate_options,
+_OPTIONS = {"demo": _demo_options, "plan": _plan_options, "prefetch": _prefetch_options, "merge": _merge_options, "evaluate": _evaluate_options,
             "convert": _convert_options, "report": _report_options}
 
 

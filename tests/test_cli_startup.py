@@ -28,6 +28,7 @@ HELP = [
     ("--help", "usage: mima COMMAND [options]"),
     ("demo --help", "usage: mima demo "),
     ("prefetch --help", "usage: mima prefetch "),
+    ("plan --help", "usage: mima plan "),
     ("merge --help", "usage: mima merge "),
     ("evaluate --help", "usage: mima evaluate "),
     ("convert --help", "usage: mima convert "),
@@ -46,10 +47,12 @@ HELP = [
 ]
 # (command line, the one line it must answer on stderr); every one exits with status 2
 ERRORS = [
-    ("bogus", "mima bogus: error: unknown command 'bogus' (commands: demo, fit, prefetch, merge, evaluate, convert, data, analyze, report)"),
+    ("bogus", "mima bogus: error: unknown command 'bogus' (commands: demo, fit, plan, prefetch, merge, evaluate, convert, data, analyze, report)"),
     ("demo --iterations two", "mima demo: error: argument --iterations: invalid int value: 'two' (see mima demo --help)"),
     ("fit --config missing.yaml", "mima fit: error: --config missing.yaml: no such file"),
     ("fit --trainer.devices 2 --config=missing.yaml", "mima fit: error: --config missing.yaml: no such file"),
+    ("plan --config missing.yaml", "mima plan: error: --config missing.yaml: no such file or run folder"),
+    ("plan --config x.yaml --trainer.devices 0", "mima plan: error: --trainer.devices 0: expected a positive number (see mima plan --help)"),
     ("prefetch --config missing.yaml", "mima prefetch: error: --config missing.yaml: no such file or run folder"),
     ("prefetch", "mima prefetch: error: the following arguments are required: --config (see mima prefetch --help)"),
     ("merge --method ties", "mima merge: error: the following arguments are required: --models, --output (see mima merge --help)"),

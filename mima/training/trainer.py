@@ -92,6 +92,10 @@ class MimaCLI(LightningCLI):
             "depend on it, so fix it to compare runs with different numbers of processes",
         )
         parser.add_argument(
+            "--force", type=bool, default=False,
+            help="start even when the plan printed at start (`mima plan`) shows the run does not fit the device's memory",
+        )
+        parser.add_argument(
             "--collective_timeout", type=int, default=1800,
             help="seconds a collective may wait for other processes before the run fails (a dead process cannot hang it)",
         )
@@ -133,6 +137,8 @@ class MimaCLI(LightningCLI):
         if world_size is not None:  # "auto", lists: known once the Trainer exists (then run_fit prepares it)
             # the layout and the checkpoint to resume, checked before the Trainer prints anything
             self.launch = self.prepare_launch(world_size)
+            if self.model.hparams.mode != JOINT:
+                self.check_plan(world_size, trainer_config)
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
         every = SaveSchedule.parse(config.get("checkpoint_every"))
         saving = every.saves and trainer_config.get("enable_checkpointing") is not False
@@ -182,6 +188,24 @@ class MimaCLI(LightningCLI):
         resume_states, notes = resolve_resume(self.config.get("ckpt_path"), self.run_dir, layout, identity)
         changes = self.check_resumed_config(resume_states)
         return Launch(layout, identity, resume_states, notes, changes)
+
+    def check_plan(self, world_size: int, trainer_config: Mapping[str, Any]) -> None:
+        """Print the run's plan (mima.training.resource_plan, as `mima plan`) and refuse, in one line, a
+        run whose memory the plan shows the device cannot hold, unless --force."""
+        from mima.config.run_config import parse_run_config
+        from mima.training.resource_plan import check_fits, format_plan, plan_for_config
+
+        raw = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
+        nodes = int(str(trainer_config.get("num_nodes", 1)))
+        plan, footprint, inputs = plan_for_config(parse_run_config(raw, "config"), world_size, nodes,
+                                                  self.config.get("checkpoint_every"), tasks=self.datamodule.task_names)
+        if launch_rank() == 0:
+            print(format_plan(plan, footprint, inputs), flush=True)
+        problem = check_fits(plan, force=bool(self.config.get("force")))
+        if problem is not None and not self.config.get("force"):
+            raise MimaError(problem)
+        if problem is not None and launch_rank() == 0:
+            print(f"mima fit: {problem}", flush=True)
 
     def check_resumed_config(self, resume_states: ResumeCut | None) -> ConfigChanges | None:
         """A resume goes on with the config its run was trained with: compare the stored config.yaml
