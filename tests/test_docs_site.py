@@ -106,3 +106,11 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
             "contain an anchor '#the-image-cache'.") in output
     assert "Aborted with 2 warnings in strict mode!" in output
 
+
+
+def test_ci_runs_the_readmes_test_command():
+    """`.ci/run` runs, as one of its lines, exactly the README's test command (the fenced line that runs pytest)."""
+    readme_commands = [line for line in (REPO / "README.md").read_text().splitlines()
+                       if line.startswith("python3 -m venv .venv") and "pytest" in line]
+    assert len(readme_commands) == 1
+    assert readme_commands[0] in (REPO / ".ci" / "run").read_text().splitlines()
