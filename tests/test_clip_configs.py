@@ -37,7 +37,7 @@ EIGHT = ("Cars", "DTD", "EuroSAT", "GTSRB", "MNIST", "RESISC45", "SUN397", "SVHN
 # mima.data.clip_text so that a class list that lost or gained a name is caught.
 CLASS_COUNTS = {"Cars": 196, "DTD": 47, "EuroSAT": 10, "GTSRB": 43, "MNIST": 10, "RESISC45": 45, "SUN397": 397, "SVHN": 10}
 # Paper 001, section 5 (SPEC 2.1): what every config must say; the optimiser state at a phase start,
-# which the paper leaves open, is mima's measured choice (README, "Phase starts").
+# which the paper leaves open, is mima's measured choice (docs/results.md, "Phase starts").
 PAPER_MODEL = {
     "pretrained": "openai", "steps": 2000, "lr": 1e-5, "weight_decay": 0.1, "warmup_steps": 200,
     "lr_schedule": "cosine", "schedule_scope": "run", "optimizer_state": "keep", "heads": "zero_shot",

@@ -57,7 +57,7 @@ def test_adamerging_lowers_entropy_and_beats_task_arithmetic_on_the_demo_tasks(d
 
 @pytest.mark.slow
 def test_report_and_analyses_on_the_demo(demo):
-    """The README's analysis commands on the demo run, then the page that gathers them."""
+    """The analysis commands of docs/analyses.md on the demo run, then the page that gathers them."""
     n8 = demo / "runs" / "N8"
     assert main(["analyze", "landscape", str(n8), "--tasks", "rot90", "rot180", "--resolution", "5"]) == 0
     assert main(["analyze", "ctl", str(n8), "--tasks", "rot90", "rot180", "--examples", "50"]) == 0

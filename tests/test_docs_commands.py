@@ -274,7 +274,7 @@ def test_every_documented_command_parses():
 
 def test_a_renamed_or_abbreviated_option_in_an_example_fails():
     example = next(ex for ex in examples() if ex.text == "mima data check --root /data/clip --benchmark 8 --download")
-    assert example.where.startswith("README.md:") and problem_of(example) is None
+    assert example.where.startswith("docs/data.md:") and problem_of(example) is None
 
     renamed = Example(example.where, "", tuple(w.replace("--benchmark", "--benchmarks") for w in example.words), True)
     problem = problem_of(renamed)

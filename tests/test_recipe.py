@@ -258,7 +258,7 @@ def test_results_state_the_schedule_precision_and_clipping(tmp_path):
     assert "- N = 8: lr 1e-05, 200 linear warm-up steps, then a constant rate" in text
 
 
-# ------------------------------------------------------- the README's note on the cosine schedule
+# --------------------------------------- docs/configuration.md's note on the cosine schedule
 def _task_vectors_cosine_lr(step: int, warmup: int, steps: int) -> float:
     """task_vectors src/utils.py cosine_lr with base_lr 1."""
     if step < warmup:
@@ -271,8 +271,8 @@ def _task_vectors_cosine_lr(step: int, warmup: int, steps: int) -> float:
     (320, 32, {1: 100.0, 2: 21.83, 4: 3.091, 8: 0.4051, 16: 0.0529, 20: 0.0276}),
 ])
 def test_last_phase_share_of_the_cosine_schedule(total, warmup, expected):
-    """README, "Why the demo uses a constant learning rate": the last phase's share (%) of the summed
-    rate under warm-up + cosine over S depends on N, hardly on S (0.03% at N = 20)."""
+    """docs/configuration.md, "The learning-rate schedule and the last phases": the last phase's share (%)
+    of the summed rate under warm-up + cosine over S depends on N, hardly on S (0.03% at N = 20)."""
     from mima.core.plan import PhasePlan
     from mima.training.lr_schedule import lr_factor
 

@@ -111,7 +111,7 @@ def _copy_run(run, target):
 
 def test_report_of_an_evaluate_folder(sweep, tmp_path):
     """`mima evaluate RUNS --out EVAL` writes the results files and names the runs in selection.json (no
-    runs/ folder): the report reads it as the README says (the old code refused it: "not a sweep folder")."""
+    runs/ folder): the report reads it as docs/demo.md says (the old code refused it: "not a sweep folder")."""
     import shutil
 
     from tests.helpers import unchanged

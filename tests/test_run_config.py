@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 TASKS = ["rot90", "mirror"]
 
 
-# Every default written out (README.md states the ones a user meets: optimizer_state keep, lr_schedule
+# Every default written out (the docs state the ones a user meets: optimizer_state keep, lr_schedule
 # cosine with schedule_scope run, sync_merge uniform, batchnorm frozen, probe_shots null) rather than
 # read from the signatures the parser reads: a changed default must be changed here, on purpose.
 MODEL_DEFAULTS = {

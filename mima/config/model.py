@@ -29,7 +29,8 @@ class ModelSettings:
     section 5: ViT-B/32, AdamW lr 1e-5, weight decay 0.1, 200 warm-up steps, cosine over S = 2000).
 
     Args:
-        clip: open_clip model: an architecture name, `local-dir:PATH`, or `embedded:tiny-digits`.
+        clip: open_clip model: an architecture name, `local-dir:PATH`, `embedded:tiny-digits` or
+            `embedded:mobilenetv2-imagenet`.
         pretrained: pretrained tag or checkpoint file for an architecture name (ignored for
             `local-dir:` and `embedded:` models, which carry their weights).
         steps: S, optimiser steps per task over the whole run; or a map task -> S_t giving each task
@@ -48,7 +49,7 @@ class ModelSettings:
             weights restart from the average, its moments go on); costs two encoder-sized buffers
             per task of the process in host memory, and in checkpoints. "reset": fresh moments for
             every task segment (SPEC 2.1's reading: each phase a new fine-tune from the average).
-            Measured (README, "Phase starts"): with reset, the task models of large N end below
+            Measured (docs/results.md, "Phase starts"): with reset, the task models of large N end below
             theta_0 on real pretrained weights; with keep they stay above it and merge better.
         heads: "zero_shot": each task's frozen head comes from the text tower and the task's class
             names and templates (the papers); "linear_probe": a logistic regression fitted on the
@@ -57,7 +58,7 @@ class ModelSettings:
         batchnorm: "frozen" (default): BatchNorm layers keep theta_0's running statistics during
             fine-tuning (their weights still train), so every task model and every merge shares
             them; "train": statistics follow each task's batches (and are averaged at each sync).
-            Measured on the offline suite: train-mode statistics make merges collapse (README).
+            Measured on the offline suite: train-mode statistics make merges collapse (docs/data.md).
         cache_dir: where the embedded models and heads are cached (default $MIMA_CACHE_DIR
             or ~/.cache/mima).
         mode: "mima" (default): MIMA as above. "joint": the joint multi-task baseline: one encoder
