@@ -111,3 +111,23 @@ def poisoned(encoders, folder: Path, value: float) -> tuple[Path, str]:
     path = folder / "poisoned.safetensors"
     save_state_dict(path, state)
     return path, key
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, small_clip):
+    """Uninterrupted runs shared by every test file of the session (tests.helpers.reference_runs)."""
+    from tests.helpers import reference_runs  # here: tests.helpers imports this module
+
+    return reference_runs(tmp_path_factory, small_clip)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `heavy` (paper-scale, over 10 minutes on 2 cores) run only when the -m expression
+    names them (`pytest -m heavy`). Not done with `-m 'not heavy'` in addopts: a `-m "not slow"` on the
+    command line replaces that expression, and would run them."""
+    if "heavy" in (config.getoption("markexpr") or ""):
+        return
+    heavy = [item for item in items if item.get_closest_marker("heavy") is not None]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = [item for item in items if item.get_closest_marker("heavy") is None]

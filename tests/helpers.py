@@ -581,14 +581,14 @@ class SleepEachStep(Callback):
         time.sleep(self.seconds)
 
 
-# ============================================= uninterrupted reference runs (a module-scoped fixture)
+# ============================================= uninterrupted reference runs (the session fixture's body)
 # (devices, tasks, model options) -> the reference run's folder
 REFERENCE_RUNS: dict[tuple, Path] = {}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_clip):
-    """Uninterrupted runs, computed once per (devices, tasks, model options)."""
+def reference_runs(tmp_path_factory, small_clip):
+    """The `reference` fixture (tests/conftest.py, session-scoped): uninterrupted runs, computed once per
+    test session and (devices, tasks, model options), whichever test file asks first."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("reference")
     REFERENCE_RUNS.clear()

@@ -15,9 +15,8 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.training.checkpoint_callback import SaveSchedule
-from tests.helpers import FOUR, STEPS, TWO, assert_identical, finals, reference, run_job, write_config
+from tests.helpers import FOUR, STEPS, TWO, assert_identical, finals, run_job, write_config
 
-__all__ = ["reference"]  # a fixture (uninterrupted runs): imported for pytest to find
 
 PHASES = 6  # K = STEPS / PHASES = 4: enough syncs for "2 phases" to save at some and skip others
 K = STEPS // PHASES

@@ -24,7 +24,7 @@ from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
 from mima.training.sync_merge import SyncMerge
 from tests.helpers import (FOUR, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical, assert_trained, finals,
-                           job_environment, logged_losses, reference, run_job, write_config)
+                           job_environment, logged_losses, run_job, write_config)
 
 
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder

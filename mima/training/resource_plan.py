@@ -127,8 +127,10 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
     owned = [list(layout.local_tasks(rank)) for rank in range(world)]
     first_phase = layout.phase_steps(lengths, 0)
     usage = utilisation(budgets, world)
-    better = [w for w in allowed_world_sizes(len(tasks), max(2 * world, len(tasks)))
-              if utilisation(budgets, w) > usage + 1e-9 and w != world][:6]
+    # W values that waste less, the least wasteful and nearest to W first (four of them, shown in order)
+    candidates = [w for w in allowed_world_sizes(len(tasks), max(2 * world, len(tasks)))
+                  if utilisation(budgets, w) > usage + 1e-9]
+    better = sorted(sorted(candidates, key=lambda w: (-round(utilisation(budgets, w), 9), abs(w - world), w))[:4])
 
     on_gpu = inputs.accelerator not in ("cpu",)
     per_process_batch = inputs.batch_size // replicas
@@ -329,7 +331,7 @@ def check_fits(plan: RunPlan, force: bool) -> str | None:
     line = (f"the plan needs {gib(need)} per {'process' if plan.on_gpu else 'node'} but the {where} has "
             f"{gib(plan.device_memory_bytes or 0)} (`mima plan` shows where it goes; reduce data.batch_size with "
             "trainer.accumulate_grad_batches, set model.grad_checkpointing, or use more processes per task)")
-    return f"warning (--force): {line}" if force else f"{line}; pass --force to start anyway"
+    return f"warning (--force): {line}" if force else f"{line}; pass --force true to start anyway"
 
 
 def plan_tasks(config) -> list[str]:
@@ -397,6 +399,10 @@ def _size(value: int) -> str:
     return f"{value} B"
 
 
+def _budgets(inputs: PlanInputs) -> tuple[int, ...]:
+    return tuple(map(sum, inputs.task_lengths))
+
+
 def format_plan(plan: RunPlan, footprint: ModelFootprint, inputs: PlanInputs) -> str:
     """The plan as `mima plan` prints it (and `mima fit`, shortened, at start)."""
     tasks = inputs.tasks
@@ -408,7 +414,8 @@ def format_plan(plan: RunPlan, footprint: ModelFootprint, inputs: PlanInputs) ->
         lines.append(f"  process {rank}: {', '.join(owned)} ({plan.steps_per_phase[rank]} steps in phase 1)")
     if len(shown) < plan.world_size:
         lines.append(f"  ... ({plan.world_size - len(shown)} processes more)")
-    better = f"; W with less waiting: {', '.join(map(str, plan.better_world_sizes))}" if plan.better_world_sizes else ""
+    better = "; W with less waiting: " + ", ".join(f"{w} ({utilisation(_budgets(inputs), w):.0%})" for w in plan.better_world_sizes) \
+        if plan.better_world_sizes else ""
     lines.append(f"utilisation: {plan.utilisation:.1%} of process time stepping (the rest waits at syncs){better}")
     what = "GPU" if plan.on_gpu else "device (the CPU: counted in host memory too)"
     parts = ", ".join(f"{name.replace('_', ' ')} {gib(value)}" for name, value in plan.device_memory_parts.items() if value)
