@@ -421,8 +421,9 @@ def test_an_elastic_resume_that_dies_resumes_again_from_the_set_aside_states(tmp
     assert sorted(p.parent.parent.name for p in (out / CHECKPOINTS / "layouts").glob("*/rank-*/*.ckpt")) == ["w00002"] * 4
     again = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, 2), out, "--ckpt_path", "last")
     assert again.returncode == 0, again.stderr[-3000:]
-    resumed_steps = re.search(r"resuming from process steps (\d+), (\d+)", again.stdout)
-    assert resumed_steps and "12" in resumed_steps.groups(), again.stdout[-3000:]  # rank 0's stop; rank 1 where it saw it
+    # rank 0's stop at 12; rank 1 where it saw it (12 too, or a later step: the steps are printed once each)
+    resumed_steps = re.search(r"resuming from process steps (\d+)(?:, (\d+))?", again.stdout)
+    assert resumed_steps and "12" in resumed_steps.groups(), again.stdout[-3000:]
     assert "elastic resume:" not in again.stdout
     assert_identical(finals(out, FOUR), reference(1, FOUR))
 

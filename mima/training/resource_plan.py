@@ -317,9 +317,10 @@ def present_device_memory(accelerator: str) -> int | None:
         text = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
         found = re.search(r"MemTotal:\s+(\d+) kB", text)
         return int(found.group(1)) * 1024 if found else None
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
+    try:
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    except (RuntimeError, AssertionError):  # CUDA reported available but no device answers (no driver)
+        return None
 
 
 def check_fits(plan: RunPlan, force: bool) -> str | None:
