@@ -63,6 +63,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def process_environment(rank: int, devices: int, port: int, run_id: str) -> dict[str, str]:
+    """The environment of process `rank` of a `mima fit` on `devices` processes, as torchrun sets it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if devices > 1:
+        env.update(TORCHELASTIC_RUN_ID=run_id, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                   ROLE_RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_WORLD_SIZE=str(devices),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
 def run_fit(out: Path, devices: int, iterations: int, every: str, optimizer_state: str) -> dict:
     """One `mima fit` with `devices` processes; returns the summed bytes, the slowest process's
     wall time and the run folder."""
@@ -73,11 +83,7 @@ def run_fit(out: Path, devices: int, iterations: int, every: str, optimizer_stat
     processes, reports = [], []
     for rank in range(devices):
         report = out.with_name(f"{out.name}-rank{rank}.json")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if devices > 1:
-            env.update(TORCHELASTIC_RUN_ID="checkpoint-io", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-                       ROLE_RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_WORLD_SIZE=str(devices),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = process_environment(rank, devices, port, "checkpoint-io")
         processes.append(subprocess.Popen([sys.executable, "-c", WRAPPER, str(report), *args], cwd=REPO, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         reports.append(report)

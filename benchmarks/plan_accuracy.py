@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 import tempfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_io import DiskPoller, free_port  # noqa: E402
+from checkpoint_io import DiskPoller, free_port, process_environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,11 +74,7 @@ def fit(config: Path, devices: int, checkpoint_every: str, out: Path) -> dict:
     port, processes, reports = free_port(), [], []
     for rank in range(devices):
         report = out.with_name(f"{out.name}-rank{rank}.json")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if devices > 1:
-            env.update(TORCHELASTIC_RUN_ID="plan-accuracy", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-                       ROLE_RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_WORLD_SIZE=str(devices),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = process_environment(rank, devices, port, "plan-accuracy")
         processes.append(subprocess.Popen([sys.executable, "-c", WRAPPER, str(report), str(out), *args], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         reports.append(report)
