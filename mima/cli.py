@@ -391,6 +391,8 @@ def _merge_options(argv: Sequence[str]) -> argparse.Namespace:
     add_merge_arguments(parser)
     options = parser.parse_args(argv)
     check_method_name(options.method)
+    if options.config is not None:
+        check_config_source(options.config)  # a missing --config answers before the inputs load torch
     return options
 
 
@@ -639,7 +641,10 @@ def _analysis_options(name: str, argv: Sequence[str]) -> argparse.Namespace:
     package, description = ANALYSES[name]
     parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
     importlib.import_module(f"{package}.options").add_arguments(parser)
-    return parser.parse_args(argv)
+    options = parser.parse_args(argv)
+    if getattr(options, "config", None) is not None:
+        check_config_source(options.config)
+    return options
 
 
 # ----------------------------------------------------------------------------- report
