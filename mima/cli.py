@@ -391,13 +391,13 @@ def _merge_options(argv: Sequence[str]) -> argparse.Namespace:
     add_merge_arguments(parser)
     options = parser.parse_args(argv)
     check_method_name(options.method)
-    if options.config is not None:
-        check_config_source(options.config)  # a missing --config answers before the inputs load torch
     return options
 
 
 def merge_command(argv: Sequence[str]) -> None:
     options = _merge_options(argv)
+    if options.config is not None:
+        check_config_source(options.config)  # a missing --config answers before the inputs load torch
     from mima.merge_command import run_merge
 
     run_merge(options)
@@ -627,6 +627,8 @@ def analyze_command(argv: Sequence[str]) -> None:
         print("\n".join(f"  {name:<10} {text}" for name, (_, text) in ANALYSES.items()))
         return
     options = _analysis_options(argv[0], argv[1:])
+    if getattr(options, "config", None) is not None:
+        check_config_source(options.config)  # before the analysis loads torch
     package, _ = ANALYSES[argv[0]]
     command = importlib.import_module(f"{package}.command")
     from mima.analysis.common import staged_outputs
@@ -641,10 +643,7 @@ def _analysis_options(name: str, argv: Sequence[str]) -> argparse.Namespace:
     package, description = ANALYSES[name]
     parser = _OneLineParser(prog=f"mima analyze {name}", description=description)
     importlib.import_module(f"{package}.options").add_arguments(parser)
-    options = parser.parse_args(argv)
-    if getattr(options, "config", None) is not None:
-        check_config_source(options.config)
-    return options
+    return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- report
