@@ -103,7 +103,10 @@ def compare_sync_merges(options) -> int:
             config["model"]["sync_merge"] = operator
             config["model"]["sync_merge_args"] = options.sync_merge_args.get(operator) or None
             folder = options.out / f"sync-{operator}"
-            results = run_sweep(config, folder, iterations=options.iterations, merges=merges,
+            # At N = 1 there is no phase-end sync (one phase from theta_0), so the operator cannot change
+            # the run: N = 1 is trained once, under the first operator, and shared by the table.
+            iterations = options.iterations if position == 0 else [n for n in options.iterations if n > 1]
+            results = run_sweep(config, folder, iterations=iterations, merges=merges,
                                 select_on_val=not options.no_select, overwrite=options.overwrite,
                                 progress=not options.no_progress, title=f"MIMA sweep, sync {operator}",
                                 extra={"config": str(options.config), "sync_merge": operator},
@@ -116,13 +119,19 @@ def compare_sync_merges(options) -> int:
     return 0
 
 
+NO_SYNC = "any (no sync at N = 1)"
+
+
 def write_sync_comparison(tables: dict[str, dict], merges: list[str], iterations: list[int], out: Path) -> None:
     """OUT/sync_merges.md/.json/.png: mean test accuracy (%) per (sync operator, N) and final merge."""
     first = next(iter(tables.values()))
     rows = []
-    for operator, table in tables.items():
+    for position, (operator, table) in enumerate(tables.items()):
         for n in iterations:
-            rows.append({"sync_merge": operator, "N": n, **{m: 100 * table[(n, m)] for m in ["fine_tuned", *merges]}})
+            if n == 1 and position > 0:
+                continue  # no sync at N = 1: one shared row (compare_sync_merges)
+            label = NO_SYNC if n == 1 else operator
+            rows.append({"sync_merge": label, "N": n, **{m: 100 * table[(n, m)] for m in ["fine_tuned", *merges]}})
     zero_shot = 100 * first[(iterations[0], "zero_shot")]
     joint = 100 * first[(iterations[0], "joint")] if (iterations[0], "joint") in first else None
     lines = ["| sync operator | N | fine-tuned | " + " | ".join(merges) + " | best merge |",
@@ -151,7 +160,8 @@ def write_sync_comparison(tables: dict[str, dict], merges: list[str], iterations
     figure, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 3.2), sharey=True, squeeze=False)
     for axis, merge in zip(axes[0], merges):
         for operator in tables:
-            axis.plot(iterations, [row[merge] for row in rows if row["sync_merge"] == operator], marker="o", label=operator)
+            points = [(row["N"], row[merge]) for row in rows if row["sync_merge"] in (operator, NO_SYNC)]
+            axis.plot([n for n, _ in points], [value for _, value in points], marker="o", label=operator)
         axis.axhline(zero_shot, color="grey", linestyle=":", label="theta_0")
         if joint is not None:
             axis.axhline(joint, color="black", linestyle="--", label="joint")

@@ -289,10 +289,15 @@ def test_task_arithmetic_at_one_over_t_is_the_average(tmp_path, small_clip, refe
     for key in merged:
         average = (mima[TWO[0]][key].double() + mima[TWO[1]][key].double()) / 2
         torch.testing.assert_close(merged[key].double(), average, rtol=1e-6, atol=1e-7)
-    # ... and two syncs and 24 AdamW steps later those roundings are still far below the training's own changes
+    # ... and two syncs and 24 AdamW steps later those roundings are still far below the training's own
+    # changes. Measured over the whole model, not per element: AdamW divides each gradient by its own
+    # running scale, so an element whose gradient is near zero can turn a rounding into a step of up to
+    # lr (1e-3) in either direction (seen: 2.2e-4 on one of 96 entries of a bias).
     for task in TWO:
-        for key, value in finals(out, TWO)[task].items():
-            torch.testing.assert_close(value, mima[task][key], rtol=1e-2, atol=2e-4)
+        atm = finals(out, TWO)[task]
+        difference = sum(float((atm[key].double() - mima[task][key].double()).square().sum()) for key in atm) ** 0.5
+        moved = sum(float((mima[task][key].double() - pretrained[key].double()).square().sum()) for key in atm) ** 0.5
+        assert difference < 1e-2 * moved, f"{task}: ATM at 1/T is {difference:.3g} from MIMA, training moved {moved:.3g}"
 
 
 def test_a_geometric_schedule_logs_each_phase_length_and_is_the_same_at_w2(tmp_path, small_clip):
