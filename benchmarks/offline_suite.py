@@ -146,12 +146,15 @@ def write_sync_comparison(tables: dict[str, dict], merges: list[str], iterations
     best_per_n = []
     for n in iterations:
         candidates = [(row[m], row["sync_merge"], m) for row in rows if row["N"] == n for m in merges]
-        ranked = sorted(candidates, reverse=True)
-        best_per_n.append({"N": n, "accuracy": ranked[0][0], "sync_merge": ranked[0][1], "merge": ranked[0][2],
-                           "margin": ranked[0][0] - ranked[1][0] if len(ranked) > 1 else None})
-    lines += ["", "Best combination per N: " + "; ".join(
-        f"N={b['N']}: sync {b['sync_merge']} + {b['merge']} {b['accuracy']:.1f} (+{b['margin']:.1f} over the next)"
-        for b in best_per_n)]
+        top = max(value for value, _, _ in candidates)
+        # equal accuracies (e.g. TSV = task arithmetic where no matrix is decomposed) are a tie, not a margin
+        winners = [f"sync {operator} + {merge}" for value, operator, merge in candidates if value > top - 1e-6]
+        others = [value for value, _, _ in candidates if value <= top - 1e-6]
+        best_per_n.append({"N": n, "accuracy": top, "best": winners,
+                           "margin": top - max(others) if others else None})
+    lines += ["", "Best combination per N (margin over the best other accuracy at that N):"]
+    lines += [f"- N={b['N']}: {' = '.join(b['best'])}: {b['accuracy']:.1f}"
+              + (f" (+{b['margin']:.1f})" if b["margin"] is not None else "") for b in best_per_n]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "sync_merges.md").write_text(text)
