@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import open_clip
@@ -32,8 +33,16 @@ def save_local_dir_clip(folder: Path, cfg: dict, seed: int) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory) -> Path:
-    """Every test session pretrains/caches into its own folder: no state leaks in from ~/.cache."""
+    """Every test session pretrains/caches into its own folder: no state leaks in from ~/.cache.
+
+    Under pytest-xdist each worker has its own cache, except for the embedded models: their folder is
+    one per test run, shared by the workers (a link), so the tiny CLIP is pretrained once per run, by
+    whichever worker needs it first (mima.models.embedded locks the build)."""
     cache = tmp_path_factory.mktemp("mima-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "mima-embedded"  # the run's folder above the workers'
+        shared.mkdir(exist_ok=True)
+        (cache / "embedded").symlink_to(shared, target_is_directory=True)
     patcher = pytest.MonkeyPatch()
     patcher.setenv("MIMA_CACHE_DIR", str(cache))
     yield cache
@@ -121,10 +130,26 @@ def reference(tmp_path_factory, small_clip):
     return reference_runs(tmp_path_factory, small_clip)
 
 
+# The files that take longest, longest first (seconds of one pytest process on the 2-core machine,
+# measured 2026-11-27; docs/testing.md). They are collected first, and with `--dist loadfile
+# --no-loadscope-reorder` (pyproject.toml) pytest-xdist hands files to its workers in collection
+# order: longest first, so that no long file starts last while the other worker sits idle.
+LONGEST_FILES = (
+    "test_distributed.py", "test_slurm.py", "test_demo.py", "test_task_budgets.py", "test_checkpoint_schedule.py",
+    "test_embedded.py", "test_resource_plan.py", "test_accumulation.py", "test_evaluate_cells.py",
+    "test_clip_configs.py", "test_disk_refusals.py", "test_run_lock.py", "test_image_folder.py", "test_data_cache.py",
+    "test_joint.py", "test_offline_suite.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `heavy` (paper-scale, over 10 minutes on 2 cores) run only when the -m expression
+    """The longest files first (LONGEST_FILES; a stable sort keeps the order inside each file).
+
+    Tests marked `heavy` (paper-scale, over 10 minutes on 2 cores) run only when the -m expression
     names them (`pytest -m heavy`). Not done with `-m 'not heavy'` in addopts: a `-m "not slow"` on the
     command line replaces that expression, and would run them."""
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if "heavy" in (config.getoption("markexpr") or ""):
         return
     heavy = [item for item in items if item.get_closest_marker("heavy") is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -70,7 +71,8 @@ def write_config(path: Path, clip: str, tasks: list[str], devices: int, callback
     return path
 
 
-LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                      "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def job_environment() -> dict[str, str]:
@@ -78,10 +80,51 @@ def job_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"PYTHONUNBUFFERED": "1"}
 
 
+# Fault injections that leave the test process intact: a one-process job using only these runs in
+# this process (below). The others kill or signal their own process, so their jobs get one of their own.
+IN_PROCESS_CALLBACKS = {"TouchStopAtStep", "RecordStateWrites", "RecordMomentsOnDisk"}
+
+
 def run_job(config: Path, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--out", str(out), *extra]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True, env=job_environment())
+    """`mima fit --config CONFIG --out OUT EXTRA...`, as the job a user starts.
+
+    A job of several processes (or with a fault that kills its process) runs as `python -m mima fit` in
+    its own process group. A one-process job runs `mima.cli.main` in this process: the same code after
+    the interpreter has started, without the 5 s of importing torch, Lightning and open_clip again
+    (tests/test_cli_startup.py and every multi-process job cover the command's own start-up)."""
+    argv = ["fit", "--config", str(config), "--out", str(out), *extra]
+    if _one_process_job(config, extra):
+        return _run_in_this_process(argv)
+    return subprocess.run([sys.executable, "-m", "mima", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True, env=job_environment())
+
+
+def _one_process_job(config: Path, extra: tuple[str, ...]) -> bool:
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+    options = dict(zip(extra[::2], extra[1::2]))
+    devices = int(options.get("--trainer.devices", trainer.get("devices", 1)))
+    nodes = int(options.get("--trainer.num_nodes", trainer.get("num_nodes", 1)))
+    callbacks = {entry["class_path"].rsplit(".", 1)[-1] for entry in trainer.get("callbacks") or []}
+    return devices == 1 and nodes == 1 and not trainer.get("strategy") and callbacks <= IN_PROCESS_CALLBACKS
+
+
+def _run_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
+    from mima.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_environment, saved_threads = dict(os.environ), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # argument errors exit like the command would
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        # what the fit set for its one-process "launch" (MASTER_PORT, PL_GLOBAL_SEED, ...) goes with it
+        os.environ.clear()
+        os.environ.update(saved_environment)
+        torch.set_num_threads(saved_threads)  # threads_per_process applies to the job, not to later tests
+    return subprocess.CompletedProcess(["mima", *argv], code or 0, stdout.getvalue(), stderr.getvalue())
 
 
 def finals(out: Path, tasks: list[str]) -> dict[str, dict[str, torch.Tensor]]:

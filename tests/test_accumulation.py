@@ -68,6 +68,7 @@ def test_sampler_cuts_each_step_batch_into_equal_micro_batches():
         assert sorted(first + second) == sorted(batch)
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_train_the_same_run_as_one_large_batch(tmp_path):
     large = run_fit(_demo(64, 1) | {"out": str(tmp_path / "b64")}).run_dir
     accumulated = run_fit(_demo(32, 2) | {"out": str(tmp_path / "b32x2")}).run_dir
@@ -79,6 +80,7 @@ def test_accumulated_micro_batches_train_the_same_run_as_one_large_batch(tmp_pat
     assert _max_difference(a, _finals(small, DEMO_TASKS)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tasks", [DEMO_TASKS, DEMO_TASKS[:1]], ids=["two-tasks-per-process", "two-replicas-of-one-task"])
 def test_accumulation_on_two_processes_matches_one_large_batch(tmp_path, tasks):
     def job(name: str, batch_size: int, accumulate: int, devices: int) -> Path:

@@ -141,6 +141,7 @@ def _check_head(head: torch.Tensor, task: str, logit_scale: float) -> None:
     torch.testing.assert_close(head.norm(dim=-1), torch.full((CLASS_COUNTS[task],), logit_scale))
 
 
+@pytest.mark.slow
 def test_vit_b32_config_builds_the_model_and_zero_shot_heads(b32):
     cli, folder = b32
     module, data = cli.model, cli.datamodule

@@ -328,6 +328,7 @@ def _fit(tmp_path: Path, clip: str, devices: int, name: str) -> dict:
     return {task: load_state_dict(tmp_path / name / "final" / f"{task}.safetensors") for task in ("one", "two")}
 
 
+@pytest.mark.slow
 def test_fit_on_the_cache_writes_the_same_task_models_on_one_and_two_processes(tmp_path, small_clip):
     _write_pngs(tmp_path / "one", seed=1)
     _write_pngs(tmp_path / "two", seed=2)

@@ -13,10 +13,15 @@ from mima.merging.selection import select_on_validation
 from mima.core.run_folder import RunFolder
 
 
+# The README's demo runs N = 1, 2, 4, 8 (and the joint baseline); the test runs the two ends, which is
+# where the effect it checks shows, in 3/5 of the time.
+ITERATIONS = (1, 8)
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "demo"
-    assert main(["demo", "--out", str(out), "--no-progress"]) == 0
+    assert main(["demo", "--out", str(out), "--no-progress", "--iterations", *map(str, ITERATIONS)]) == 0
     return out
 
 
@@ -32,13 +37,13 @@ def test_demo_shows_the_mima_effect(demo):
     def mean(model, n):
         return next(r["accuracy"] for r in rows if r["model"] == model and r["N"] == n and r["task"] == "mean")
 
-    cos = [next(r["mean_cos_tau"] for r in rows if r["model"] == "fine_tuned" and r["N"] == n) for n in (1, 2, 4, 8)]
-    assert cos == sorted(cos) and cos[-1] - cos[0] > 0.3, cos  # alignment rises with N
+    cos = [next(r["mean_cos_tau"] for r in rows if r["model"] == "fine_tuned" and r["N"] == n) for n in ITERATIONS]
+    assert cos[-1] - cos[0] > 0.3, cos  # alignment rises with N
     assert mean("uniform", 8) - mean("uniform", 1) >= 0.05  # the uniform merge gains >= 5 points
     assert abs(mean("fine_tuned", 8) - mean("fine_tuned", 1)) <= 0.03  # fine-tuned accuracy kept
     assert all(mean("zero_shot", 1) < mean(m, 8) for m in DEMO_MERGES)
     # the joint baseline is one model (runs/joint), the same row at every N, and it learns the tasks
-    assert len({mean("joint", n) for n in (1, 2, 4, 8)}) == 1 and mean("joint", 1) > mean("zero_shot", 1) + 0.2
+    assert len({mean("joint", n) for n in ITERATIONS}) == 1 and mean("joint", 1) > mean("zero_shot", 1) + 0.2
     assert RunFolder(demo / "runs" / "joint").is_joint()
 
 

@@ -3,6 +3,7 @@
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -16,6 +17,7 @@ from mima.models.heads import zero_shot_head
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_pretraining_is_deterministic_from_the_seed():
     recipe = copy.deepcopy(embedded.TINY_DIGITS_RECIPE)
     recipe["steps"] = 15
@@ -28,6 +30,7 @@ def test_pretraining_is_deterministic_from_the_seed():
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_embedded_model_is_cached_loads_through_open_clip_and_beats_chance(private_cache):
     clip = load_clip("embedded:tiny-digits")
     folders = list((private_cache / "embedded").glob("tiny-digits-*"))

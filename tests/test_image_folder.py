@@ -142,6 +142,7 @@ def _hand_accuracy(state: dict, test_folder: Path, classes, templates) -> float:
     return correct / total
 
 
+@pytest.mark.slow
 def test_custom_tasks_train_and_evaluate_through_a_config(tmp_path, capsys):
     stripes, shades = tmp_path / "stripes", tmp_path / "shades"
     write_images(stripes / "train", STRIPES, 30, pattern_image, seed=0)

@@ -97,6 +97,7 @@ def test_evaluate_adds_the_joint_row_to_every_n(tmp_path, small_clip):
     assert main(["evaluate", str(joint_run), "--out", str(tmp_path / "only-joint")]) == 2  # no MIMA run: one-line error
 
 
+@pytest.mark.slow
 def test_joint_mode_on_two_processes_is_data_parallel_over_the_combined_batch(tmp_path, small_clip):
     """Two gloo processes each take half of every task's batch; DDP averages their gradients, which is
     the gradient of the whole combined batch: the same model as one process, up to float rounding."""

@@ -299,6 +299,7 @@ def test_linear_probe_head_is_the_regularised_logistic_optimum():
     assert ((features[two] @ binary.double().numpy().T).argmax(axis=1) == labels[two]).mean() > 0.95
 
 
+@pytest.mark.slow
 def test_offline_config_fits_with_probe_heads_and_frozen_statistics(tmp_path):
     """configs/offline.yaml, cut to two tasks and a few steps: heads are the probes the context
     builds, BatchNorm statistics stay theta_0's, and the task models moved."""

@@ -15,6 +15,7 @@ from mima.core.layout import TaskLayout
 from mima.core.plan import plan_for_budgets
 from mima.models.footprint import measure_footprint, safetensors_file_bytes
 from mima.training.resource_plan import utilisation
+from tests.helpers import Outcome, cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -31,8 +32,10 @@ def config_file(folder: Path, clip: str, **data) -> Path:
     return path
 
 
-def mima(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mima", *args], cwd=cwd, capture_output=True, text=True)
+def mima(*args: str, cwd: Path, capfd, monkeypatch) -> Outcome:
+    """`mima ARGS` in this process, run from `cwd` (what it writes there shows)."""
+    monkeypatch.chdir(cwd)
+    return cli(args, capfd)
 
 
 @pytest.mark.slow
@@ -57,10 +60,11 @@ def test_plan_predicts_bytes_written_and_peak_memory_of_real_runs(tmp_path, smal
     assert rows[0]["measured_bytes"] > rows[1]["measured_bytes"]
 
 
-def test_plan_json_holds_the_promised_keys_and_its_layout(tmp_path):
-    done = mima("plan", "--config", str(DEMO), "--trainer.devices", "3", "--json", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    plan = json.loads(done.stdout)
+def test_plan_json_holds_the_promised_keys_and_its_layout(tmp_path, capfd, monkeypatch):
+    done = mima("plan", "--config", str(DEMO), "--trainer.devices", "3", "--json", cwd=tmp_path, capfd=capfd,
+                monkeypatch=monkeypatch)
+    assert done.code == 0, done.err
+    plan = json.loads(done.out)
     for key in ("bytes_written", "peak_disk_bytes", "host_memory_per_process", "device_memory_per_process"):
         assert isinstance(plan[key], int) and plan[key] > 0, key
     assert 0 < plan["utilisation"] <= 1
@@ -116,15 +120,15 @@ def test_footprint_sizes_match_the_files_and_models_they_describe(tmp_path, clip
     assert real <= footprint.activation_bytes_per_example <= 1.15 * real
 
 
-def test_fit_refuses_a_run_the_plan_shows_cannot_fit(tmp_path, small_clip):
+def test_fit_refuses_a_run_the_plan_shows_cannot_fit(tmp_path, small_clip, capfd, monkeypatch):
     """A batch whose activations exceed this machine's memory: one line, nothing written; the plan first."""
     out = tmp_path / "run"
     config = config_file(tmp_path, small_clip, batch_size=200_000_000)
-    done = mima("fit", "--config", str(config), "--out", str(out), cwd=tmp_path)
-    assert done.returncode == 2
-    errors = done.stderr.strip().splitlines()
-    assert len(errors) == 1 and "pass --force" in errors[0] and "GiB per node" in errors[0], done.stderr
-    assert "plan: 4 tasks on W = 1" in done.stdout  # the plan was printed first
+    done = mima("fit", "--config", str(config), "--out", str(out), cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    assert done.code == 2
+    errors = done.err.strip().splitlines()
+    assert len(errors) == 1 and "pass --force" in errors[0] and "GiB per node" in errors[0], done.err
+    assert "plan: 4 tasks on W = 1" in done.out  # the plan was printed first
     assert not out.exists()
 
 
@@ -134,7 +138,7 @@ def test_fit_refuses_a_run_the_plan_shows_cannot_fit(tmp_path, small_clip):
     (["--checkpoint_every", "often"], "--checkpoint_every must be"),
     (["--device-memory", "-1"], "--device-memory -1.0: expected a positive number of GiB"),
 ])
-def test_plan_bad_input_is_one_line(tmp_path, args, expected):
-    done = mima("plan", "--config", str(DEMO), *args, cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+def test_plan_bad_input_is_one_line(tmp_path, args, expected, capfd, monkeypatch):
+    done = mima("plan", "--config", str(DEMO), *args, cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    assert done.code == 2
+    assert done.err.count("\n") == 1 and expected in done.err, done.err

@@ -20,7 +20,7 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.core.run_lock import RunLock
-from tests.helpers import REPO, TWO, assert_identical, finals, job_environment, lock_holder, write_config
+from tests.helpers import REPO, TWO, assert_identical, cli, finals, job_environment, lock_holder, run_job, write_config
 
 
 def test_a_live_holder_is_refused_in_one_line_naming_it(tmp_path):
@@ -98,12 +98,10 @@ def test_a_refused_lock_leaves_no_folder_it_created(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_fits_on_one_run_folder_the_second_is_refused_the_first_is_unchanged(tmp_path, small_clip):
+def test_two_fits_on_one_run_folder_the_second_is_refused_the_first_is_unchanged(tmp_path, small_clip, capfd):
     reference = tmp_path / "alone"
     config = write_config(tmp_path / "plain.yaml", small_clip, TWO, 1)
-    command = [sys.executable, "-m", "mima", "fit", "--config", str(config)]
-    alone = subprocess.run(command + ["--out", str(reference)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                           env=job_environment())
+    alone = run_job(config, reference)
     assert alone.returncode == 0, alone.stderr[-3000:]
     out, go = tmp_path / "run", tmp_path / "go"
     held = write_config(tmp_path / "held.yaml", small_clip, TWO, 1, [("WaitForFileAtStep", {"step": 5, "path": str(go)})])
@@ -113,12 +111,13 @@ def test_two_fits_on_one_run_folder_the_second_is_refused_the_first_is_unchanged
     while not (out / "config.yaml").exists() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert first.poll() is None, "the first fit ended before the second could start"
-    attempts = [command + ["--out", str(out)], command + ["--out", str(out), "--ckpt_path", "last"],
-                command + ["--out", str(out), "--overwrite", "true"]]
-    for argv in attempts:
-        second = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, env=job_environment())
-        lines = second.stderr.strip().splitlines()
-        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+    command = ["fit", "--config", config]
+    attempts = [command + ["--out", out], command + ["--out", out, "--ckpt_path", "last"],
+                command + ["--out", out, "--overwrite", "true"]]
+    for argv in attempts:  # the second fits in this process: the lock is the first fit's, held by its process
+        second = cli(argv, capfd)
+        lines = second.err.strip().splitlines()
+        assert second.code == 2 and len(lines) == 1, second.err[-3000:]
         assert "in use by another job" in lines[0] and f"pid {first.pid}" in lines[0], lines[0]
     go.touch()  # the first fit goes on
     _, err = first.communicate(timeout=300)

@@ -31,7 +31,7 @@ from mima.core.safetensors_io import load_state_dict
 from tests.ci_mode import require
 from tests.slurm_cluster import free_port, missing_requirement, start_cluster
 from tests.conftest import fit_config
-from tests.helpers import job_environment
+from tests.helpers import run_job
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["rot90", "mirror"]
@@ -57,7 +57,8 @@ def slurm_two_nodes(tmp_path):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, small_clip):
-    """The job's config and its uninterrupted run: the same two processes, outside SLURM."""
+    """The job's config and its uninterrupted run, outside SLURM, in one process (the SLURM jobs run two:
+    the task models are the same at any W, tests/test_distributed.py)."""
     require(missing_requirement())
     folder = tmp_path_factory.mktemp("slurm-job")
     config = folder / "job.yaml"
@@ -68,9 +69,7 @@ def job(tmp_path_factory, small_clip):
         "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
     }))
     reference = folder / "reference"
-    fit = [sys.executable, "-m", "mima", "fit", "--config", str(config), "--trainer.accelerator", "cpu",
-           "--trainer.devices", "2", "--threads_per_process", "1", "--out", str(reference)]
-    result = subprocess.run(fit, cwd=REPO, capture_output=True, text=True, timeout=600, env=job_environment())
+    result = run_job(config, reference, "--trainer.accelerator", "cpu", "--threads_per_process", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return config, reference
 
@@ -140,6 +139,7 @@ def _wait_for_checkpoint(cluster, job_id: str, run_dir: Path, log: Path) -> None
     _wait(saved, 300, f"the first checkpoint of job {job_id}")
 
 
+@pytest.mark.slow
 def test_cpu_sbatch_job_survives_preemption(slurm, tmp_path, job):
     config, reference = job
     runs, work = tmp_path / "runs", tmp_path / "work"
@@ -163,6 +163,7 @@ def test_cpu_sbatch_job_survives_preemption(slurm, tmp_path, job):
     assert not (run_dir / "checkpoints").exists()  # removed once the run has finished
 
 
+@pytest.mark.slow
 def test_cancelled_job_submitted_again_resumes_its_run(slurm, tmp_path, job):
     """`scancel` (not a requeue) mid-run, then the same sbatch again: a new job id, the same run name,
     so the new job resumes the run folder and ends with the uninterrupted run's final models."""
@@ -199,6 +200,7 @@ def test_cancelled_job_submitted_again_resumes_its_run(slurm, tmp_path, job):
     )
 
 
+@pytest.mark.slow
 def test_cpu_sbatch_on_two_nodes_matches_one_node(slurm_two_nodes, tmp_path, job):
     config, reference = job
     runs, work = tmp_path / "runs", tmp_path / "work"
@@ -214,11 +216,14 @@ def test_cpu_sbatch_on_two_nodes_matches_one_node(slurm_two_nodes, tmp_path, job
 
 
 SWEEP_MODELS = ("zero_shot", "fine_tuned", "uniform", "task_arithmetic", "ties", "cart")
+SWEEP_N = (2,)  # one N, two seeds: two array elements, both at once on this 2-CPU cluster
 
 
+@pytest.mark.slow
 def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, small_clip):
     """slurm/submit_sweep.sh as a user runs it, with the GPU site settings overridden for this CPU
-    cluster: a fit-only array over N in {1, 8} and seeds {0, 1}, each run in <config>-N<n>-seed<s>/,
+    cluster: a fit-only array over N in {2} and seeds {0, 1}, each run in <config>-N<n>-seed<s>/ (which
+    element gets which N and seed: test_sweep_element_passes_its_n_and_seed, for several N),
     then the evaluation job (afterany on the array): the combined table, whose rows over seeds are
     checked by hand; submitted again, it finds every cell done and writes the same table."""
     config = tmp_path / "tiny.yaml"
@@ -233,7 +238,7 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
     environment = {
         "MIMA_CONFIG": str(config), "MIMA_RUNS": str(runs), "MIMA_ACCELERATOR": "cpu",
         "MIMA_ENV_ACTIVATE": f"export PATH={Path(sys.executable).parent}:$PATH",
-        "MIMA_ITERATIONS": "1 8", "MIMA_SEEDS": "0 1",
+        "MIMA_ITERATIONS": " ".join(map(str, SWEEP_N)), "MIMA_SEEDS": "0 1",
         # one process per element lets two elements run at once on this 2-CPU cluster
         "MIMA_FIT_SBATCH": f"--ntasks-per-node=1 --cpus-per-task=1 --output={work}/slurm-%A_%a.out",
         "MIMA_EVAL_SBATCH": f"--ntasks-per-node=1 --cpus-per-task=2 --output={work}/slurm-eval-%j.out",
@@ -242,27 +247,27 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
     submitted = slurm.run("bash", str(REPO / "slurm" / "submit_sweep.sh"), f"--chdir={work}", "--partition=debug",
                           "--gres=none", "--", "--threads_per_process", "1", cwd=REPO, extra_env=environment, check=False)
     assert submitted.returncode == 0, submitted.stderr
-    array_id = re.search(r"fit array job (\d+) \(4 runs", submitted.stdout).group(1)
+    array_id = re.search(rf"fit array job (\d+) \({2 * len(SWEEP_N)} runs", submitted.stdout).group(1)
     evaluation_id = re.search(r"evaluation job (\d+)", submitted.stdout).group(1)
     assert slurm.job_field(evaluation_id, "Dependency").startswith(f"afterany:{array_id}")
     started = time.monotonic()
     _drive_to_completion(slurm, evaluation_id, timeout=600)
-    print(f"SLURM array {array_id} (N = 1, 8 x seeds 0, 1) fitted and job {evaluation_id} evaluated it in "
+    print(f"SLURM array {array_id} (N = {SWEEP_N} x seeds 0, 1) fitted and job {evaluation_id} evaluated it in "
           f"{time.monotonic() - started:.0f} s")
-    assert all(slurm.job_field(f"{array_id}_{index}", "JobState") == "COMPLETED" for index in range(4))
+    assert all(slurm.job_field(f"{array_id}_{index}", "JobState") == "COMPLETED" for index in range(2 * len(SWEEP_N)))
 
-    runs_of = {(n, seed): runs / f"tiny-N{n}-seed{seed}" for n in (1, 8) for seed in (0, 1)}
+    runs_of = {(n, seed): runs / f"tiny-N{n}-seed{seed}" for n in SWEEP_N for seed in (0, 1)}
     for (n, seed), run_dir in runs_of.items():
         written = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert (written["model"]["iterations"], written["seed_everything"], written["data"]["seed"]) == (n, seed, seed)
         assert all((run_dir / "final" / f"{task}.safetensors").is_file() for task in TASKS)
     rows = json.loads((runs / "tiny-sweep" / "results.json").read_text())
     per_run = {(r["N"], r["seed"], r["model"], r["task"]): r["accuracy"] for r in rows if r["seed"] != "mean"}
-    assert set(per_run) == {(n, seed, model, task) for n in (1, 8) for seed in (0, 1) for model in SWEEP_MODELS
+    assert set(per_run) == {(n, seed, model, task) for n in SWEEP_N for seed in (0, 1) for model in SWEEP_MODELS
                             for task in (*TASKS, "mean")}
     assert all(0.0 <= value <= 1.0 for value in per_run.values())
     aggregate = {(r["N"], r["model"], r["task"]): r for r in rows if r["seed"] == "mean"}
-    assert set(aggregate) == {(n, model, task) for n in (1, 8) for model in SWEEP_MODELS for task in (*TASKS, "mean")}
+    assert set(aggregate) == {(n, model, task) for n in SWEEP_N for model in SWEEP_MODELS for task in (*TASKS, "mean")}
     for (n, model, task), row in aggregate.items():
         a, b = per_run[(n, 0, model, task)], per_run[(n, 1, model, task)]
         # two seeds: mean (a + b) / 2, sample standard deviation |a - b| / sqrt(2)

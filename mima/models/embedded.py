@@ -31,6 +31,7 @@ from pathlib import Path
 import open_clip
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 from tqdm.auto import tqdm
 
 from mima.data import digits
@@ -92,6 +93,17 @@ def ensure_embedded_model(name: str, cache_dir: Path, progress: bool = True) -> 
     folder = Path(cache_dir) / "embedded" / f"{name}-{recipe_key(recipe)}"
     if (folder / "open_clip_model.safetensors").is_file():
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Jobs that start together on one cache (a job array, parallel test workers) pretrain once: the
+    # first takes the lock and builds, the others wait for it and then find the model.
+    with FileLock(folder.parent / f".{folder.name}.lock"):
+        if not (folder / "open_clip_model.safetensors").is_file():
+            _build_into(folder, recipe, build, progress)
+    return folder
+
+
+def _build_into(folder: Path, recipe: dict, build, progress: bool) -> None:
+    """Build the model in a staging folder beside `folder` and rename it into place (atomic)."""
     staging = folder.parent / f".{folder.name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -108,7 +120,6 @@ def ensure_embedded_model(name: str, cache_dir: Path, progress: bool = True) -> 
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def multi_positive_contrastive_loss(
