@@ -21,6 +21,7 @@ from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_cells
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
+from tests.helpers import cli
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic", "ties"]  # 1 + 21 + 21 merged models per run: long enough to stop
@@ -96,7 +97,7 @@ def _start_and_wait_for_cells(command, out: Path, cells: int) -> subprocess.Pope
 
 
 @pytest.mark.slow
-def test_sigkill_then_the_same_command_gives_the_uninterrupted_results(two_runs, reference, tmp_path):
+def test_sigkill_then_the_same_command_gives_the_uninterrupted_results(two_runs, reference, tmp_path, capfd):
     out = tmp_path / "table"
     job = _start_and_wait_for_cells(_command(two_runs, out), out, cells=5)
     job.kill()
@@ -104,16 +105,16 @@ def test_sigkill_then_the_same_command_gives_the_uninterrupted_results(two_runs,
     kept = _cell_lines(out)
     total = _cell_lines(reference["out"])
     assert 5 <= kept < total and not (out / "results.json").exists()
-    again = subprocess.run(_command(two_runs, out), capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"{kept} cells already done" in again.stdout
+    again = cli(_command(two_runs, out)[3:], capfd)  # the same command again, in this process
+    assert again.code == 0, again.err[-3000:]
+    assert f"{kept} cells already done" in again.out
     assert json.loads((out / "results.json").read_text()) == reference["rows"]
     assert (out / "selection.json").read_text().split('"seconds_total"')[0] == \
         (reference["out"] / "selection.json").read_text().split('"seconds_total"')[0]
 
 
 @pytest.mark.slow
-def test_sigterm_stops_after_the_batch_keeps_the_cells_and_the_rerun_finishes(two_runs, reference, tmp_path):
+def test_sigterm_stops_after_the_batch_keeps_the_cells_and_the_rerun_finishes(two_runs, reference, tmp_path, capfd):
     out = tmp_path / "table"
     job = _start_and_wait_for_cells(_command(two_runs, out), out, cells=3)
     job.send_signal(signal.SIGTERM)
@@ -121,8 +122,8 @@ def test_sigterm_stops_after_the_batch_keeps_the_cells_and_the_rerun_finishes(tw
     assert job.returncode == 128 + signal.SIGTERM, printed[-3000:]
     kept = _cell_lines(out)
     assert f"stopped by signal {int(signal.SIGTERM)}; {kept} finished cells kept" in printed
-    again = subprocess.run(_command(two_runs, out), capture_output=True, text=True)
-    assert again.returncode == 0 and f"{kept} cells already done" in again.stdout, again.stderr[-3000:]
+    again = cli(_command(two_runs, out)[3:], capfd)  # the same command again, in this process
+    assert again.code == 0 and f"{kept} cells already done" in again.out, again.err[-3000:]
     assert json.loads((out / "results.json").read_text()) == reference["rows"]
 
 
