@@ -65,3 +65,41 @@ def test_the_demo_runs_configs_demo_yaml_and_scales_the_warmup_with_steps():
     assert config["trainer"] == shipped["trainer"] and config["threads_per_process"] == shipped["threads_per_process"]
     scaled = demo_config(steps=160, lr_schedule="cosine")["model"]
     assert (scaled["steps"], scaled["warmup_steps"], scaled["lr_schedule"]) == (160, 16, "cosine")
+
+
+def _slow_builder(recipe: dict, progress: bool):
+    """Counts its calls in a file (one line a build), then takes long enough for the others to arrive."""
+    import time
+
+    with open(recipe["log"], "a") as log:
+        log.write("built\n")
+    time.sleep(1.0)
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 2), {"seconds": 1.0}
+
+
+def _ensure_in_child(cache: str, queue) -> None:
+    queue.put(str(embedded.ensure_embedded_model("slow-fake", Path(cache), progress=False)))
+
+
+def test_jobs_starting_together_on_one_cache_build_an_embedded_model_once(tmp_path, monkeypatch):
+    """Three processes ask for a model that is not cached yet at the same moment: one builds it (the
+    others wait on the cache's lock), all three get the same complete folder."""
+    import multiprocessing
+
+    log = tmp_path / "builds.log"
+    recipe = {"model_cfg": {"note": "a stand-in"}, "log": str(log)}
+    monkeypatch.setitem(embedded.EMBEDDED_MODELS, "slow-fake", (lambda: recipe, _slow_builder))
+    context = multiprocessing.get_context("fork")  # the children inherit the stand-in registry entry
+    queue = context.Queue()
+    children = [context.Process(target=_ensure_in_child, args=(str(tmp_path / "cache"), queue)) for _ in range(3)]
+    for child in children:
+        child.start()
+    folders = {queue.get(timeout=60) for _ in children}
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert log.read_text().splitlines() == ["built"]
+    (folder,) = folders
+    assert sorted(p.name for p in Path(folder).iterdir()) == ["open_clip_config.json", "open_clip_model.safetensors",
+                                                               "pretraining.json"]

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from mima.data.sampler import PhaseBatchSampler, TaskStream
 from mima.core.errors import MimaError
@@ -120,3 +121,32 @@ def test_geometric_phase_lengths_sum_to_s_and_grow_by_the_ratio():
     assert phase_lengths(320, 4) == (80, 80, 80, 80)
     with pytest.raises(MimaError, match="the shortest phase gets no step"):
         phase_lengths(10, 8, "geometric", 3.0)
+
+
+class _RandomDraw(torch.utils.data.Dataset):
+    """An example whose "augmentation" is one draw from torch's global generator."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return torch.rand(()), index
+
+
+def test_a_draw_seeds_an_augmenting_dataset_and_skips_one_that_only_indexes_tensors():
+    """Behind a Subset too: the augmenting dataset gives the same example for the same draw whatever the
+    global generator's state, and a different one for another draw; a TensorDataset's example is its
+    stored value, and reading it leaves the global generator exactly where it was."""
+    from torch.utils.data import Subset, TensorDataset
+
+    from mima.data.sampler import MultiTaskDataset
+
+    tensors = TensorDataset(torch.arange(10.0), torch.arange(10))
+    dataset = MultiTaskDataset([Subset(_RandomDraw(), [0, 1, 2]), Subset(Subset(tensors, range(2, 9)), [0, 3])])
+    torch.manual_seed(1)
+    first = dataset[(0, 1, 123)][0]
+    torch.manual_seed(2)
+    assert dataset[(0, 1, 123)][0] == first and dataset[(0, 1, 124)][0] != first
+    state = torch.get_rng_state()
+    assert dataset[(1, 1, 123)][:2] == (torch.tensor(5.0), torch.tensor(5))  # tensors[2 + 3]
+    assert torch.equal(torch.get_rng_state(), state)
