@@ -49,6 +49,38 @@ def private_cache(tmp_path_factory) -> Path:
     patcher.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def threads_per_worker():
+    """With pytest-xdist, each worker computes with its share of the cores (1 thread each for -n 2 on 2
+    cores), and so do the processes its tests start (OMP_NUM_THREADS). torch's default is every core
+    per process: two workers at 2 threads each on 2 cores made OpenMP threads spin-wait for descheduled
+    peers: a matmul loop took 2.2x its CPU time beside one busy core, and the whole suite (-n 2 on 2 cores)
+    took 1656 CPU-seconds with torch's default and 1449 with one thread per worker, all else equal."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1:
+        yield
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    saved = torch.get_num_threads()
+    patcher = pytest.MonkeyPatch()
+    patcher.setenv("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(saved)
+    patcher.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_server(private_cache, threads_per_worker):
+    """tests/helpers.py's run_job starts a multi-process job's first process as a fork of a process that
+    has imported torch and Lightning once (tests/job_server.py), for jobs in this session's environment."""
+    from tests.helpers import JOB_SERVER, job_environment
+
+    JOB_SERVER.environment = job_environment()
+    yield
+    JOB_SERVER.stop()
+
+
 # The same text tower with a timm image tower that has BatchNorm (running statistics are buffers).
 BATCHNORM_CLIP_CFG = {
     "embed_dim": 32,

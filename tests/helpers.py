@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
 import os
+import resource
+import selectors
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -88,15 +94,35 @@ IN_PROCESS_CALLBACKS = {"TouchStopAtStep", "RecordStateWrites", "RecordMomentsOn
 def run_job(config: Path, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`mima fit --config CONFIG --out OUT EXTRA...`, as the job a user starts.
 
-    A job of several processes (or with a fault that kills its process) runs as `python -m mima fit` in
-    its own process group. A one-process job runs `mima.cli.main` in this process: the same code after
-    the interpreter has started, without the 5 s of importing torch, Lightning and open_clip again
-    (tests/test_cli_startup.py and every multi-process job cover the command's own start-up)."""
+    A one-process job runs `mima.cli.main` in this process: the same code after the interpreter has
+    started, without the 5 s of importing torch, Lightning and open_clip again. A job of several
+    processes (or with a fault that kills its process) gets processes of its own, in its own process
+    group: the first a fork of tests/job_server.py (the same `mima.cli.main`, imports done), the others
+    started by Lightning as `python -m mima.__main__`. In an environment other than the session's it
+    runs `python -m mima fit`. tests/test_cli_startup.py and the SLURM tests cover the command's own
+    start-up."""
     argv = ["fit", "--config", str(config), "--out", str(out), *extra]
     if _one_process_job(config, extra):
         return _run_in_this_process(argv)
+    return run_command(argv, timeout=timeout)
+
+
+def run_command(argv: list[str], timeout: float = 600, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m mima ARGV` as processes of its own, in its own process group, to the end: stdout and
+    stderr captured, returncode as subprocess gives it (-9 for SIGKILL). With `file_size_limit`, it may
+    write no file beyond that many bytes (RLIMIT_FSIZE), so a write fails as a full disk's would. Its
+    first process is a fork of tests/job_server.py when this process's environment is the session's."""
+    argv = [str(arg) for arg in argv]
+    environment = job_environment()
+    if JOB_SERVER.serves(environment):
+        return JOB_SERVER.run(argv, environment, timeout, file_size_limit)
+    limit = None if file_size_limit is None else functools.partial(_limit_file_size, file_size_limit)
     return subprocess.run([sys.executable, "-m", "mima", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, start_new_session=True, env=job_environment())
+                          timeout=timeout, start_new_session=True, env=environment, preexec_fn=limit)
+
+
+def _limit_file_size(limit_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
 
 def _one_process_job(config: Path, extra: tuple[str, ...]) -> bool:
@@ -125,6 +151,96 @@ def _run_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
         os.environ.update(saved_environment)
         torch.set_num_threads(saved_threads)  # threads_per_process applies to the job, not to later tests
     return subprocess.CompletedProcess(["mima", *argv], code or 0, stdout.getvalue(), stderr.getvalue())
+
+
+class JobServer:
+    """This test process's end of tests/job_server.py: a job's first process is a fork of a process that
+    has already imported torch and Lightning, instead of a new interpreter. tests/conftest.py sets the
+    environment it serves at the start of the session; it starts on the first job."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.environment: dict[str, str] | None = None  # None: not serving (run_job starts subprocesses)
+        self.lock = threading.Lock()  # one request on the socket at a time
+
+    def serves(self, environment: dict[str, str]) -> bool:
+        """Whether it runs jobs in this environment (the session's, less pytest's per-test variable);
+        started now if need be."""
+        if self.environment is None or _import_relevant(environment) != _import_relevant(self.environment):
+            return False
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+        return True
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.job_server", str(theirs.fileno())], cwd=REPO,
+                                        env=self.environment, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        stdout=self.log, stderr=self.log)
+        theirs.close()
+        self.connection = ours
+
+    def stop(self) -> None:
+        """Its jobs have ended with their tests; closing the socket ends it."""
+        if self.process is not None:
+            self.connection.close()
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def run(self, argv: list[str], environment: dict[str, str], timeout: float,
+            file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+        """As subprocess.run(..., capture_output=True, start_new_session=True, timeout=timeout): returns once
+        the job's first process has ended and every process of the job has closed stdout and stderr."""
+        out, err, status = os.pipe(), os.pipe(), os.pipe()
+        request = json.dumps({"argv": argv, "env": environment, "cwd": str(REPO), "file_size_limit": file_size_limit}).encode()
+        with self.lock:
+            socket.send_fds(self.connection, [request], [out[1], err[1], status[1]])
+        for write_end in (out[1], err[1], status[1]):
+            os.close(write_end)
+        read = {out[0]: bytearray(), err[0]: bytearray(), status[0]: bytearray()}
+        deadline, pid, killed = time.monotonic() + timeout, None, False
+        with selectors.DefaultSelector() as selector:
+            for fd in read:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                if time.monotonic() > deadline and not killed:
+                    if pid is None:  # the server never forked the job (it is stuck): nothing of ours to stop
+                        self.process.kill()
+                        raise subprocess.TimeoutExpired(["mima", *argv], timeout)
+                    os.killpg(pid, signal.SIGKILL)
+                    killed = True
+                for key, _ in selector.select(timeout=1.0):
+                    chunk = os.read(key.fd, 1 << 16)
+                    read[key.fd] += chunk
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        os.close(key.fd)
+                lines = bytes(read[status[0]]).decode().split()
+                pid = int(lines[1]) if len(lines) >= 2 else pid
+        stdout, stderr = bytes(read[out[0]]).decode(), bytes(read[err[0]]).decode()
+        lines = bytes(read[status[0]]).decode().split()
+        if killed:
+            raise subprocess.TimeoutExpired(["mima", *argv], timeout, stdout, stderr)
+        if len(lines) != 4:
+            self.log.seek(0)
+            raise RuntimeError(f"tests/job_server.py ended without the job's exit status (status {lines}); its log:\n"
+                               + self.log.read().decode()[-3000:])
+        return subprocess.CompletedProcess(["mima", *argv], int(lines[3]), stdout, stderr)
+
+
+JOB_SERVER = JobServer()
+
+
+# Variables that do not tell two environments apart for a job: pytest's name of the running test, and
+# those a job sets to the same value itself, whatever it started with (os.environ.setdefault): scikit-learn
+# on import, mima before it builds a LightningCLI parser. An earlier in-process command leaves them set.
+NOT_THE_JOB_S_CHOICE = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "JSONARGPARSE_DEPRECATION_WARNINGS")
+
+
+def _import_relevant(environment: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environment.items() if k not in NOT_THE_JOB_S_CHOICE}
 
 
 def finals(out: Path, tasks: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -554,16 +670,6 @@ class WaitForFileAtStep(Callback):
         deadline = time.monotonic() + self.timeout
         while not self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-def file_size_limit(limit_bytes: int):
-    """preexec_fn of a subprocess: it may write no file beyond `limit_bytes` (RLIMIT_FSIZE), so a write
-    fails as a full disk's would, at a size the test chooses."""
-    import resource
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-    return apply
 
 
 class RecordStateWrites(Callback):

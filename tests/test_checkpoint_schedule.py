@@ -57,7 +57,9 @@ def state_writes(out: Path, rank: int) -> list[str]:
 @pytest.mark.slow
 def test_two_phases_saves_exactly_at_every_second_sync(tmp_path, small_clip, reference):
     """Three processes on four tasks: rank 0 owns two tasks (a phase is 2K of its steps), ranks 1 and 2 one
-    each (K steps); each saves right after the syncs ending phases 2 and 4 (1-based), not after the last."""
+    each (K steps); each saves right after the syncs ending phases 2 and 4 (1-based), not after the last.
+    The run also ends with the one-process run's task models (W = 3 does not divide T = 4), each sync
+    records the three processes' waits, and a finished run keeps only the run-folder contract."""
     out = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", small_clip, FOUR, 3, [("RecordStateWrites", {})], model=SIX)
     result = run_job(config, out, "--checkpoint_every", "2 phases")
@@ -68,14 +70,20 @@ def test_two_phases_saves_exactly_at_every_second_sync(tmp_path, small_clip, ref
         assert state_writes(out, rank) == expected, rank
     assert expected == ["phase-0002-step-00000008.ckpt", "phase-0004-step-00000016.ckpt"]  # rank 2, by hand
     assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == PHASES and all(len(r["wait_s"]) == 3 and min(r["wait_s"]) >= 0 for r in records)
+    assert not (out / "checkpoints").exists()
 
 
 @pytest.mark.slow
 def test_a_time_interval_saves_at_the_same_syncs_on_every_process(tmp_path, small_clip, reference):
     """A wall-clock interval is decided by process 0 at the syncs: both processes save at the same syncs
-    (which ones depends on the machine's speed) and nowhere else; an interval that never passes saves nothing."""
+    (which ones depends on the machine's speed) and nowhere else; an interval that never passes saves nothing.
+    Each step sleeps 0.04 s, so the 40 steps before the last sync take at least 1.6 s and the 0.5 s interval
+    passes at one sync or more however fast the machine (CI's once finished every sync within 0.5 s)."""
     out = tmp_path / "run"
-    config = write_config(tmp_path / "run.yaml", small_clip, FOUR, 2, [("RecordStateWrites", {})], model=SIX)
+    callbacks = [("RecordStateWrites", {}), ("SleepEachStep", {"seconds": 0.04})]
+    config = write_config(tmp_path / "run.yaml", small_clip, FOUR, 2, callbacks, model=SIX)
     result = run_job(config, out, "--checkpoint_every", "0.5s")
     assert result.returncode == 0, result.stderr[-3000:]
     syncs = sync_steps(2)
@@ -92,18 +100,21 @@ def test_a_time_interval_saves_at_the_same_syncs_on_every_process(tmp_path, smal
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_step, resumed_from", [(28, 16), (36, 32)])
-def test_sigkill_and_resume_with_two_phases_is_bit_identical(tmp_path, small_clip, reference, kill_step, resumed_from):
-    """Two processes with two tasks each (a phase is 8 of their steps): saves at steps 16 and 32 only; a
-    kill in phase 4 resumes from step 16, one in phase 5 from step 32, and both end as the uninterrupted run."""
+def test_sigkill_twice_and_resume_with_two_phases_is_bit_identical(tmp_path, small_clip, reference):
+    """Two processes with two tasks each (a phase is 8 of their steps): saves at steps 16 and 32 only. A
+    kill in phase 4 resumes from step 16; that resumed run killed again in phase 5 resumes from step 32;
+    the run ends as the uninterrupted one, each phase logged once."""
     out = tmp_path / "run"
-    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": kill_step})],
-                                  model=SIX), out, "--checkpoint_every", "2 phases")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, FOUR, 2, model=SIX), out,
-                      "--ckpt_path", "last", "--checkpoint_every", "2 phases")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from process steps {resumed_from} (" in resumed.stdout
+    for kill_step, resumed_from in ((28, None), (36, 16), (None, 32)):
+        callbacks = [("KillAtStep", {"step": kill_step})] if kill_step else []
+        options = ("--ckpt_path", "last") if resumed_from else ()
+        config = write_config(tmp_path / f"kill{kill_step}.yaml", small_clip, FOUR, 2, callbacks, model=SIX)
+        for marker in out.glob(".settled-*"):  # KillAtStep's "my saves are on disk" files of the last kill
+            marker.unlink()
+        result = run_job(config, out, "--checkpoint_every", "2 phases", *options)
+        assert result.returncode == (-signal.SIGKILL if kill_step else 0), result.stderr[-3000:]
+        if resumed_from:
+            assert f"resuming from process steps {resumed_from} (" in result.stdout
     assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
     phases = [json.loads(line)["phase"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert phases == list(range(1, PHASES + 1))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +26,8 @@ from mima.data.clip_tasks import TASKS
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import PhaseBatchSampler
 from mima.data.tasks import LoadOptions
+from tests.helpers import run_command
 
-REPO = Path(__file__).resolve().parents[1]
 # Max abs difference allowed between the cached evaluation path and open_clip's transform: both do
 # float32 x / 255 then (x - mean) / std, so on the CPU they agree exactly; 1e-6 leaves room for a
 # fused or reordered normalisation (one float32 rounding of values of size ~2).
@@ -321,9 +319,7 @@ def _fit(tmp_path: Path, clip: str, devices: int, name: str) -> dict:
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    environment = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-m", "mima", "fit", "--config", str(path), "--out", str(tmp_path / name)],
-                            cwd=REPO, capture_output=True, text=True, timeout=240, env=environment, start_new_session=True)
+    result = run_command(["fit", "--config", path, "--out", tmp_path / name], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return {task: load_state_dict(tmp_path / name / "final" / f"{task}.safetensors") for task in ("one", "two")}
 

@@ -9,7 +9,6 @@ no partial output: no output file, no temporary file. (`mima merge`: tests/test_
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import open_clip
@@ -19,15 +18,13 @@ import yaml
 
 from mima.cli import main
 from tests.conftest import fit_config
-from tests.helpers import file_size_limit
+from tests.helpers import run_command
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 LIMIT = 4096  # bytes: above a config.yaml or a cell file, below any model or results file
 
 
 def limited(*argv, limit: int = LIMIT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mima", *map(str, argv)], cwd=REPOSITORY, capture_output=True,
-                          text=True, preexec_fn=file_size_limit(limit), timeout=600)
+    return run_command(list(argv), file_size_limit=limit)
 
 
 def the_error_line(result: subprocess.CompletedProcess, command: str, path: Path) -> str:

@@ -21,7 +21,7 @@ from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_cells
 from mima.training.trainer import run_fit
 from tests.conftest import fit_config
-from tests.helpers import cli
+from tests.helpers import cli, run_command
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic", "ties"]  # 1 + 21 + 21 merged models per run: long enough to stop
@@ -130,7 +130,7 @@ def test_sigterm_stops_after_the_batch_keeps_the_cells_and_the_rerun_finishes(tw
 @pytest.mark.slow
 def test_two_processes_give_one_process_results_exactly(two_runs, reference, tmp_path):
     out = tmp_path / "table"
-    result = subprocess.run(_command(two_runs, out, "--devices", "2"), capture_output=True, text=True)
+    result = run_command(_command(two_runs, out, "--devices", "2")[3:])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout
     written = sorted(path.name.rsplit("-p", 1)[1] for path in (out / "cells").glob("*.jsonl"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import file_size_limit
+from tests.helpers import run_command
 import torch
 
 from mima.cli import main
@@ -184,9 +184,8 @@ def test_a_merge_input_truncated_and_rewritten_during_the_merge_is_never_a_signa
     try:
         outcomes = []
         for _ in range(4):
-            result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "uniform", "--models",
-                                     *map(str, models), "--output", str(out), "--overwrite"],
-                                    cwd=REPOSITORY, capture_output=True, text=True, timeout=300)
+            result = run_command(["merge", "--method", "uniform", "--models", *models, "--output", out, "--overwrite"],
+                                 timeout=300)
             assert result.returncode in (0, 2), f"exit {result.returncode}: {result.stderr[-2000:]}"
             if result.returncode == 2:
                 line = _one_line(result.returncode, result.stderr, str(models[1]))
@@ -282,9 +281,7 @@ def test_a_merge_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, limit
         models.append(tmp_path / f"m{index}.safetensors")
         save_state_dict(models[-1], {f"w{i}": torch.randn(128, 128, generator=generator) for i in range(4)})  # 256 KB
     output = tmp_path / "out" / "merged.safetensors"
-    result = subprocess.run([sys.executable, "-m", "mima", "merge", "--method", "uniform", "--models", *map(str, models),
-                             "--output", str(output)], cwd=REPOSITORY, capture_output=True, text=True,
-                            preexec_fn=file_size_limit(limit))
+    result = run_command(["merge", "--method", "uniform", "--models", *models, "--output", output], file_size_limit=limit)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     assert "File too large" in lines[0] and "ulimit -f" in lines[0]
