@@ -8,8 +8,10 @@ process group (a test may SIGKILL the whole job), its own environment, working f
 dispositions, stdout and stderr on pipes the test reads to EOF like `subprocess.run` does. Lightning
 starts the other ranks as `python -m mima.__main__ ...`, as it does for a user's job.
 
-This process never trains or computes (no OpenMP or other threads exist when it forks), so a child
-starts as clean as a new interpreter, less the imports. A job whose environment differs from the one
+This process never trains or computes, so no OpenMP pool exists when it forks. Its only other threads
+are the idle OpenBLAS pools that numpy and scipy start on import; OpenBLAS shuts them down before a
+fork (pthread_atfork), as for a DataLoader worker. A child starts as clean as a new interpreter, less
+the imports. A job whose environment differs from the one
 this process imported with does not come here (a library may read a variable at import time).
 
 Protocol, over a Unix socket: the test sends one JSON request {"argv", "env", "cwd", "file_size_limit"}
