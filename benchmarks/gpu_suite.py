@@ -15,16 +15,26 @@ N phases, one process):
   * MFU                model FLOPs utilisation: FLOPs of one training step (counted by
                        torch.utils.flop_counter on the real model and batch) x steps/s over the
                        device's dense bf16 peak (PEAK_BF16_TFLOPS, or --peak-tflops);
-  * evaluation         images/s of mima's evaluation (`mima.evaluation.accuracy.task_accuracy`)
-                       against a bare loop over the same DataLoader;
+  * evaluation         images/s of mima's evaluation (TaskEvaluator over both tasks' test splits,
+                       at most `workers` loader workers alive, mima.evaluation.loader_pool) against
+                       a bare loop over one persistent DataLoader per task;
   * sync               seconds of one MIMA sync of the run's tasks on one process
                        (`mima.training.averaging.average_phase`: average and Gram matrices of the
                        task end weights held on the host, as `mima fit` holds them);
   * checkpoint stall   share of the resident fit's time that checkpointing costs: 1 - t(no
-                       checkpoints) / t(a checkpoint at every segment end, mima's default).
+                       checkpoints) / t(a checkpoint at every segment end);
+  * AdamW kernel       which AdamW implementation `mima fit` ran (fused, foreach or the per-tensor
+                       loop), read from the optimiser of the resident fit (bf16-mixed, no clipping;
+                       the paper configs clip gradients, with which Lightning's mixed precision
+                       refuses the fused kernel: foreach there);
+  * ViT-L/14           (benchmarks/gpu_large.py) peak memory and time of a batch-128 bf16 training
+                       step with and without gradient checkpointing beside the plan's memory; one
+                       L/14-sized sync; CART and TSV of L/14-sized task models on the CPU and on the
+                       GPU, with the largest relative difference of their outputs.
 
 --cpu-smoke runs every measurement on the CPU with a small CLIP and a few steps (no bf16 peak: no
-MFU); tests/test_gpu_suite.py runs it. On a GPU the whole suite takes a few minutes.
+MFU; the large rows on the small tower, CPU against CPU); tests/test_gpu_suite.py runs it. On one H100
+the whole suite is meant to take under 9 minutes.
 """
 
 from __future__ import annotations
@@ -48,18 +58,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainer_overhead, and its StepTimer by class path
 
+from gpu_large import L14, LargeSize, large_rows, large_table, sync_seconds  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 from trainer_overhead import BareSetup, resident_training_data, run_bare, run_mima  # noqa: E402
 
-from mima.core.layout import TaskLayout  # noqa: E402
 from mima.core.safetensors_io import save_state_dict  # noqa: E402
-from mima.evaluation.accuracy import task_accuracy  # noqa: E402
 from mima.models.classifier import classify  # noqa: E402
-from mima.training.averaging import average_phase  # noqa: E402
-
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, TFLOP/s; the first name
-# found in torch.cuda.get_device_name() wins, so the more specific names come first.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
-                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0))
+from mima.training.plan_choices import peak_bf16_tflops  # noqa: E402
 
 # A small CLIP for --cpu-smoke: a ViT image tower of the same kind as ViT-B/32, 32x32 inputs.
 SMOKE_CLIP = {
@@ -86,6 +91,7 @@ class Size:
 GPU = Size("ViT-B-32", batch=128, steps=100, iterations=2, images_per_class=64, image_side=256, workers=8,
            eval_images=4096)
 SMOKE = Size("smoke", batch=8, steps=4, iterations=2, images_per_class=6, image_side=40, workers=0, eval_images=32)
+SMOKE_LARGE = LargeSize("smoke", batch=8, timed_steps=3, sync_tasks=2, merge_tasks=2)  # the smoke tower
 TASKS = ("noise_a", "noise_b")
 CLASSES = 4
 
@@ -116,6 +122,22 @@ def smoke_clip(root: Path) -> str:
     return f"local-dir:{root}"
 
 
+class AdamWKernel(Callback):
+    """Writes which AdamW implementation the run's optimiser uses, as torch documents its choice:
+    fused when asked for, else foreach unless refused (torch's default where every parameter is on
+    CUDA), else the per-tensor loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        on_cuda = all(p.device.type == "cuda" for group in optimizer.param_groups for p in group["params"])
+        fused, foreach = optimizer.defaults.get("fused"), optimizer.defaults.get("foreach")
+        kernel = "fused" if fused else "foreach" if foreach or (foreach is None and on_cuda) else "for-loop"
+        Path(self.path).write_text(json.dumps({"kernel": kernel, "fused": fused, "foreach": foreach}))
+
+
 def fit_config(size: Size, clip: str, tasks: list[dict], out: Path, timer_file: Path, cuda: bool,
                checkpoint_every: str | int = "segment") -> dict:
     """The `mima fit` config of every fit run of the suite."""
@@ -130,7 +152,9 @@ def fit_config(size: Size, clip: str, tasks: list[dict], out: Path, timer_file: 
                  "num_workers": size.workers},
         "trainer": {"accelerator": "gpu" if cuda else "cpu", "devices": 1, "precision": "bf16-mixed",
                     "enable_model_summary": False, "enable_progress_bar": False,
-                    "callbacks": [{"class_path": "trainer_overhead.StepTimer", "init_args": {"path": str(timer_file)}}]},
+                    "callbacks": [{"class_path": "trainer_overhead.StepTimer", "init_args": {"path": str(timer_file)}},
+                                  {"class_path": "gpu_suite.AdamWKernel",
+                                   "init_args": {"path": str(timer_file.with_name("adamw.json"))}}]},
         "out": str(out),
         "overwrite": True,
     }
@@ -154,69 +178,63 @@ def step_flops(setup: BareSetup, batch: tuple[torch.Tensor, ...]) -> int:
 
 
 def evaluation_rates(setup: BareSetup, size: Size) -> dict[str, float]:
-    """Images/s of mima's evaluation and of a bare loop over the same DataLoader (test split of the
-    first task, cycled up to `eval_images`); each timed on its second pass (the first warms up)."""
-    name = setup.plan.tasks[0]
-    test = setup.splits[name].test
-    dataset = Subset(test, [index % len(test) for index in range(size.eval_images)])
-    loader = DataLoader(dataset, batch_size=size.batch * 2, num_workers=size.workers,
-                        pin_memory=setup.device == "cuda", persistent_workers=size.workers > 0)
-    encoder, head = setup.encoder, setup.heads[0]
+    """Images/s of mima's evaluation (TaskEvaluator: every task's test split, cycled up to
+    `eval_images` per task, through the process's one bounded set of loader workers,
+    mima.evaluation.loader_pool) and of a bare loop over one persistent DataLoader per task (what
+    mima did before the workers were bounded); each timed on its second pass (the first warms up).
+    Their correct counts must agree."""
+    from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
+
+    datasets = {}
+    for name in setup.plan.tasks:
+        test = setup.splits[name].test
+        datasets[name] = Subset(test, [index % len(test) for index in range(size.eval_images)])
+    heads = dict(zip(setup.plan.tasks, setup.heads))
+    cuda = setup.device == "cuda"
+    settings = EvalSettings(batch_size=size.batch * 2, num_workers=size.workers, pin_memory=cuda)
+    evaluator = TaskEvaluator(setup.encoder, heads, datasets, settings=settings)
+    state = {key: value.detach().clone() for key, value in setup.encoder.state_dict().items()}
+    loaders = {name: DataLoader(dataset, batch_size=size.batch * 2, num_workers=size.workers, pin_memory=cuda,
+                                persistent_workers=size.workers > 0) for name, dataset in datasets.items()}
+    encoder = setup.encoder
 
     @torch.inference_mode()
-    def bare() -> float:
-        encoder.eval()  # as task_accuracy evaluates
-        correct = torch.zeros((), dtype=torch.long, device=setup.device)
-        for images, labels in loader:
-            logits = classify(encoder, head, images.to(setup.device, non_blocking=True))
-            correct += (logits.argmax(1) == labels.to(setup.device, non_blocking=True)).sum()
-        return correct.item() / len(dataset)
+    def bare() -> dict[str, int]:
+        encoder.eval()  # as the evaluator does
+        correct = {}
+        for name, loader in loaders.items():
+            total = torch.zeros((), dtype=torch.long, device=setup.device)
+            for images, labels in loader:
+                logits = classify(encoder, heads[name], images.to(setup.device, non_blocking=True))
+                total += (logits.argmax(1) == labels.to(setup.device, non_blocking=True)).sum()
+            correct[name] = int(total.item())
+        return correct
 
-    rates, accuracies = {}, {}
-    for label, run in (("mima", lambda: task_accuracy(encoder, head, loader)), ("bare", bare)):
+    def mima() -> dict[str, int]:
+        return {name: correct for name, (correct, _) in evaluator.counts(state).items()}
+
+    rates, counts = {}, {}
+    images = sum(len(dataset) for dataset in datasets.values())
+    for label, run in (("mima", mima), ("bare", bare)):
         run()
         synchronize()
         start = time.perf_counter()
-        accuracies[label] = run()
+        counts[label] = run()
         synchronize()
-        rates[label] = len(dataset) / (time.perf_counter() - start)
-    if abs(accuracies["mima"] - accuracies["bare"]) > 1e-6:
-        raise RuntimeError(f"evaluation: mima and the bare loop disagree ({accuracies})")
+        rates[label] = images / (time.perf_counter() - start)
+    if counts["mima"] != counts["bare"]:
+        raise RuntimeError(f"evaluation: mima and the bare loop disagree ({counts})")
+    evaluator.loaders.close()
     return rates
-
-
-def sync_seconds(setup: BareSetup, repeats: int = 3) -> float:
-    """Median time of one sync of the run's tasks on one process: the tasks' end weights on the host
-    (perturbed copies of theta_0), averaged and compared on the device as `mima fit` does."""
-    theta_0 = {key: value.detach().to("cpu", copy=True) for key, value in setup.encoder.state_dict().items()}
-    keys = [key for key, value in theta_0.items() if value.is_floating_point()]
-    diagnostic = {name for name, parameter in setup.encoder.named_parameters() if parameter.requires_grad}
-    generator = torch.Generator().manual_seed(0)
-    states = [{key: value + 1e-3 * torch.randn(value.shape, generator=generator) if key in keys else value
-               for key, value in theta_0.items()} for _ in setup.plan.tasks]
-    layout = TaskLayout(len(states), 1)
-    device = torch.device(setup.device)
-    previous = {key: theta_0[key].to(device) for key in keys}
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        average_phase(states, keys, layout, theta_0, previous, diagnostic, device)
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def peak_tflops(device: str, given: float | None) -> float | None:
     if given is not None:
         return given
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+    return peak_bf16_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
 
 
-def measure(size: Size, repeats: int, peak_given: float | None, scratch: Path) -> dict:
+def measure(size: Size, large: LargeSize, repeats: int, peak_given: float | None, scratch: Path) -> dict:
     cuda = torch.cuda.is_available() and size is not SMOKE
     clip = smoke_clip(scratch / "clip") if size is SMOKE else size.clip
     tasks = write_image_tasks(scratch / "tasks", size)
@@ -243,9 +261,16 @@ def measure(size: Size, repeats: int, peak_given: float | None, scratch: Path) -
     median = {key: statistics.median(values) for key, values in rates.items()}
     peak = peak_tflops(setup.device, peak_given)
     evaluation = evaluation_rates(setup, size)
+    adamw = json.loads(timer_file.with_name("adamw.json").read_text())
+    sync_s = sync_seconds(setup.encoder, len(setup.plan.tasks), setup.device)
+    device_name = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
+    del setup  # the B/32 tower and its batches, before the large rows
+    large_clip = smoke_clip(scratch / "clip") if size is SMOKE else large.clip
+    large_result = large_rows(LargeSize(large_clip, large.batch, large.timed_steps, large.sync_tasks, large.merge_tasks),
+                              "cuda" if cuda else "cpu", scratch / "large")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if setup.device == "cuda" else "cpu",
+        "device": device_name,
         "torch": torch.__version__,
         "mode": "cpu-smoke" if size is SMOKE else "gpu",
         "model": size.clip if size is not SMOKE else "smoke CLIP (ViT tower, width 32, 2 layers, 32x32)",
@@ -260,8 +285,10 @@ def measure(size: Size, repeats: int, peak_given: float | None, scratch: Path) -
         "mfu": {key: median[key] * flops / (peak * 1e12) for key in ("mima", "bare", "cached")} if peak else None,
         "eval_images_per_s": evaluation,
         "eval_over_bare": evaluation["mima"] / evaluation["bare"],
-        "sync_s": sync_seconds(setup),
+        "sync_s": sync_s,
         "checkpoint_stall_share": max(0.0, 1.0 - median["mima"] / median["no_checkpoints"]),
+        "adamw": adamw,
+        "large": {"model": large.clip if size is not SMOKE else "smoke CLIP", "batch": large.batch, **large_result},
     }
 
 
@@ -282,14 +309,21 @@ def table(result: dict) -> str:
         ("one sync (s)", f"{result['sync_s']:.4f}", "", "", ""),
         ("checkpoint stall share", f"{100 * result['checkpoint_stall_share']:.1f} %", "", "", ""),
     ]
+    rows.append(("AdamW kernel", result["adamw"]["kernel"], "", "", ""))
     header = ("measurement", "mima", "bare", "mima / bare", "MFU")
-    widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
     lines = [f"{result['mode']} on {result['device']} ({result['date']}; {result['model']}, batch {result['batch']}, "
              f"S = {result['steps_per_task']}, N = {result['iterations']}, T = {result['tasks']}, "
              f"{result['flops_per_step'] / 1e9:.2f} GFLOP per step, peak {result['peak_bf16_tflops'] or 'unknown'} TFLOP/s)"]
-    for row in [header] + rows:
-        lines.append(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))
+    lines += aligned([header] + rows)
+    large = result["large"]
+    lines.append(f"{large['model']}, batch {large['batch']}:")
+    lines += aligned(large_table(large))
     return "\n".join(lines)
+
+
+def aligned(rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return [" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in rows]
 
 
 def main() -> None:
@@ -302,11 +336,11 @@ def main() -> None:
     options = parser.parse_args()
     if not options.cpu_smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or --cpu-smoke for the reduced CPU mode")
-    size = SMOKE if options.cpu_smoke else GPU
+    size, large = (SMOKE, SMOKE_LARGE) if options.cpu_smoke else (GPU, L14)
     if options.cpu_smoke:
         torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as scratch:
-        result = measure(size, options.repeats, options.peak_tflops, Path(scratch))
+        result = measure(size, large, options.repeats, options.peak_tflops, Path(scratch))
     print(table(result))
     Path(options.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {options.json}")

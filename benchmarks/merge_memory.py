@@ -80,6 +80,13 @@ def naive_merge(method: str, base_path: str, model_paths: list[str], output: str
 
 
 # ------------------------------------------------------------------------- model files
+def model_folder(folder: Path | None, prefix: str) -> Path:
+    """Where the models go: `folder`, or a new temporary folder named with `prefix`."""
+    folder = folder or Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def write_models(folder: Path, tasks: int, model_name: str) -> tuple[Path, list[Path], int]:
     import open_clip
     import torch
@@ -190,8 +197,7 @@ def main() -> None:
         naive_merge(method, base, models, output)
         return
 
-    folder = args.folder or Path(tempfile.mkdtemp(prefix="mima-merge-memory-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = model_folder(args.folder, "mima-merge-memory-")
     try:
         print(f"writing {args.tasks + 1} random {args.model} image encoders to {folder} ...", flush=True)
         base, models, model_bytes = write_models(folder, args.tasks, args.model)

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mima.analysis import ANALYSES
-from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES, add_merge_arguments, add_report_arguments
+from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES, add_merge_arguments, add_report_arguments, device_spelling
+from mima.config.defaults import AUTO
 from mima.config.source import check_config_source
 from mima.convert.options import add_arguments as add_convert_arguments
 from mima.core.errors import MimaError
@@ -257,7 +258,9 @@ def _plan_options(argv: Sequence[str]) -> argparse.Namespace:
                         help="plan for a clip-suite benchmark's task list instead of the config's")
     parser.add_argument("--data.batch_size", dest="batch_size", type=int, default=None, help="instead of the config's")
     parser.add_argument("--model.iterations", dest="iterations", type=int, default=None, help="N, instead of the config's")
-    parser.add_argument("--checkpoint_every", default="segment", help="as `mima fit --checkpoint_every` (default: segment)")
+    parser.add_argument("--checkpoint_every", default=None,
+                        help="as `mima fit --checkpoint_every` (default: the config's, else auto: by time on a GPU, "
+                        "every segment on the CPU)")
     parser.add_argument("--device-memory", dest="device_memory", type=float, default=None, metavar="GIB",
                         help="the memory of one device in GiB (default: the GPU present, or this machine's for the CPU); "
                         "the plan says whether the run fits it")
@@ -284,8 +287,10 @@ def plan_command(argv: Sequence[str]) -> None:
     from mima.training.resource_plan import format_plan, plan_for_config
     from mima.training.checkpoint_callback import SaveSchedule
 
-    SaveSchedule.parse(options.checkpoint_every)
     config = load_run_config(options.config)
+    checkpoint_every = options.checkpoint_every if options.checkpoint_every is not None else config.other.get("checkpoint_every")
+    if checkpoint_every is not None and str(checkpoint_every).strip().lower() != AUTO:
+        SaveSchedule.parse(checkpoint_every)
     if options.benchmark is not None:
         config.data.benchmark, config.data.tasks = options.benchmark, None
     if options.batch_size is not None:
@@ -299,7 +304,7 @@ def plan_command(argv: Sequence[str]) -> None:
         raise MimaError(f"trainer.devices={devices!r}, trainer.num_nodes={nodes!r}: give numbers "
                         "(--trainer.devices W --trainer.num_nodes M) to plan for")
     memory = int(options.device_memory * 2**30) if options.device_memory is not None else None
-    plan, footprint, inputs = plan_for_config(config, int(devices) * int(nodes), int(nodes), options.checkpoint_every, memory)
+    plan, footprint, inputs = plan_for_config(config, int(devices) * int(nodes), int(nodes), checkpoint_every, memory)
     if options.json:
         print(json.dumps(plan.as_json(), indent=1))
     else:
@@ -316,6 +321,9 @@ def _prefetch_options(argv: Sequence[str]) -> argparse.Namespace:
         "run offline (HF_HUB_OFFLINE=1).",
     )
     _add_config_arguments(parser)
+    parser.add_argument("--weights-dir", type=Path, default=None,
+                        help="also copy the weights to DIR/<architecture>-<tag>.<ext> with a record of their activation "
+                        "beside them, for configs that name a weight file (model.pretrained) on nodes without the cache")
     return parser.parse_args(argv)
 
 
@@ -324,7 +332,7 @@ def prefetch_command(argv: Sequence[str]) -> None:
     config = _config_with_root(options)
     from mima.prefetch import prefetch
 
-    prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True))
+    prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True), weights_dir=options.weights_dir)
 
 
 def _add_config_arguments(parser) -> None:
@@ -432,9 +440,17 @@ def _evaluate_options(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--skip-unfinished", action="store_true",
                         help="leave out (and name) runs that are missing or have not finished, e.g. cancelled elements "
                         "of a SLURM sweep, instead of refusing them")
+    parser.add_argument("--merge-device", type=device_spelling, default=None, metavar="DEVICE",
+                        help="where the merges' arithmetic runs: auto (default: each process's evaluation device, its "
+                        "GPU where it has one), cpu, cuda or cuda:N")
+    parser.add_argument("--num-workers", type=int, default=None, metavar="N",
+                        help="loader worker processes per evaluation process, one set for every task and split "
+                        "(default: the run's data.num_workers; 0 loads in the process itself)")
     options = parser.parse_args(argv)
     if options.val_examples is not None and options.val_examples <= 0:
         parser.error(f"--val-examples {options.val_examples}: expected a positive number of examples per task")
+    if options.num_workers is not None and options.num_workers < 0:
+        parser.error(f"--num-workers {options.num_workers}: expected 0 or more loader worker processes")
     return options
 
 
@@ -446,7 +462,8 @@ def evaluate_command(argv: Sequence[str]) -> None:
     with no_empty_folder_left(options.out):
         evaluate_runs(options.runs, options.out, options.merges, not options.no_select, options.overwrite,
                       precision=options.precision, val_examples=options.val_examples, team=team,
-                      skip_unfinished=options.skip_unfinished)
+                      skip_unfinished=options.skip_unfinished, num_workers=options.num_workers,
+                      merge_device=options.merge_device)
 
 
 # ---------------------------------------------------------------------------- convert
@@ -541,7 +558,8 @@ def cache_command(argv: Sequence[str]) -> None:
             raise MimaError(f"--workers must be >= 0, got {options.workers}")
         config.data.num_workers = options.workers
     model = config.model
-    loaded = load_clip(model.clip, model.pretrained, cache_dir=Path(model.cache_dir) if model.cache_dir else default_cache_dir())
+    loaded = load_clip(model.clip, model.pretrained, cache_dir=Path(model.cache_dir) if model.cache_dir else default_cache_dir(),
+                       quick_gelu=model.quick_gelu)
     data = config.datamodule()
     for task in data.build_cache(loaded.image_size, loaded.preprocess):
         sizes = ", ".join(f"{split} {len(cached)}" for split, cached in task.splits.items())

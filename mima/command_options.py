@@ -7,6 +7,7 @@ mima.demo) run the parsed options.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter
@@ -22,6 +23,14 @@ def _flag_help(spec: Hyperparameter) -> str:
     return f"{what} (methods: {', '.join(takers) or 'none'})".replace("%", "%%")
 
 
+def device_spelling(text: str) -> str:
+    """A device as the merge commands spell it (checked without torch; whether this machine has it is
+    checked when the command runs, mima.merging.engine.merge_device)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text.strip().lower()) is None:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, help=f"one of: {', '.join(sorted(STRATEGIES))}")
     parser.add_argument("--base", type=Path, help="theta_0, the pretrained state dict (not needed by uniform, cart, ...)")
@@ -34,6 +43,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-non-finite", action="store_true",
                         help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
                         "error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge --lam)")
+    parser.add_argument("--device", type=device_spelling, default="auto", metavar="auto|cpu|cuda|cuda:N",
+                        help="where the merge's arithmetic runs, one tensor group at a time (default auto: the first GPU "
+                        "when torch sees one, else the CPU); --device cpu gives the CPU's file bit for bit")
     hyper = parser.add_argument_group("hyperparameters (one flag per declaration in mima.merging.catalogue; "
                                       "each method takes some, see its docstring)")
     for spec in HYPERPARAMETERS.values():

@@ -14,7 +14,10 @@ How it survives a preemptible cluster:
     limit) also requeues the job, as `mima fit` does.
   * `--devices N` deals the work over N processes, one device each (started here, or one per task
     under `srun`); each records its own cells, process 0 writes the results once all are done.
-    Counts are integers, so the results equal one process's exactly.
+    Counts are integers, so the results equal one process's exactly. Each process makes its GPU
+    (from its local rank, mima.evaluation.device) the current device before any CUDA call.
+  * Each process has at most `--num-workers` loader workers alive, whatever the number of tasks and
+    splits: one set serves every pass (mima.evaluation.loader_pool).
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ from mima.core.run_lock import RunLock
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, accuracy_of, default_precision
 from mima.evaluation.cells import Cell, CellStore, point_key
+from mima.evaluation.device import claim_device, local_rank
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.evaluation.results import ModelResult, training_setup
 from mima.evaluation.results_files import write_results
 from mima.evaluation.tables import markdown_text
 from mima.merging import get_method
+from mima.merging.engine import merge_device as resolve_merge_device
 from mima.merging.registry import MergeMethod, combine
 from mima.pools import TaskPool, task_pool
 
@@ -69,9 +74,6 @@ class Team:
     children: list[subprocess.Popen] = field(default_factory=list)
 
     RANK_ENV, WORLD_ENV, SESSION_ENV = "MIMA_EVALUATE_RANK", "MIMA_EVALUATE_WORLD", "MIMA_EVALUATE_SESSION"
-
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
     def start_children(self) -> None:
         for rank in range(1, self.world if self.argv is not None else 1):
@@ -100,7 +102,7 @@ def team_for(devices: int | None, argv: Sequence[str] | None = None) -> Team:
             raise MimaError(f"--devices {devices}: this srun step has {tasks} tasks (one process each); omit --devices")
         session = f"slurm{environment.get('SLURM_JOB_ID', '')}.{environment['SLURM_STEP_ID']}" \
                   f".r{environment.get('SLURM_RESTART_COUNT', '0')}"
-        return Team(int(environment["SLURM_PROCID"]), tasks, session, local_rank=int(environment.get("SLURM_LOCALID", 0)))
+        return Team(int(environment["SLURM_PROCID"]), tasks, session, local_rank=local_rank(environment))
     world = 1 if devices is None else devices
     if world < 1:
         raise MimaError(f"--devices {world}: expected at least 1")
@@ -109,7 +111,9 @@ def team_for(devices: int | None, argv: Sequence[str] | None = None) -> Team:
         kind = "GPUs" if torch.cuda.is_available() else "CPU cores"
         raise MimaError(f"--devices {world}: this machine has {available} {kind}")
     session = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
-    return Team(0, world, session, argv=list(argv) if argv is not None and world > 1 else None)
+    # the processes started here take GPUs 0..world-1; one process alone takes its launcher's choice
+    return Team(0, world, session, local_rank=local_rank(environment) if world == 1 else 0,
+                argv=list(argv) if argv is not None and world > 1 else None)
 
 
 class StopRequests:
@@ -225,8 +229,9 @@ class Worker:
     """Evaluates units in one process, recording each cell as it finishes."""
 
     def __init__(self, evaluation: Evaluation, store: CellStore, stop: StopRequests, settings: EvalSettings,
-                 device: torch.device) -> None:
+                 device: torch.device, merge_device: torch.device | None = None) -> None:
         self.evaluation, self.store, self.stop, self.settings, self.device = evaluation, store, stop, settings, device
+        self.merge_device = merge_device if merge_device is not None else device  # where merges compute
         self.pool: TaskPool | None = None
         self.loaded: tuple[int, dict, list] | None = None  # (run index, theta_0, task models)
 
@@ -235,6 +240,11 @@ class Worker:
             self.pool = task_pool(self.evaluation.configs[0])
             self.pool.encoder.to(self.device)
         return self.pool
+
+    def close(self) -> None:
+        """End the loader workers (the evaluators' one set, mima.evaluation.loader_pool)."""
+        if self.pool is not None:
+            self.pool.loaders.close()
 
     def _models(self, index: int) -> tuple[dict, list]:
         if self.loaded is None or self.loaded[0] != index:
@@ -280,7 +290,7 @@ class Worker:
 
     def _merge(self, unit: Unit, run_id: str) -> None:
         evaluation, tasks = self.evaluation, self.evaluation.tasks
-        method = get_method(unit.method)
+        method = get_method(unit.method).on(self.merge_device)  # every merge below computes there
         grid = evaluation.grid(method)
         models = lambda: self._models(unit.run)  # noqa: E731 - loaded only if a cell is missing
         if not grid:
@@ -423,28 +433,39 @@ def evaluate_runs(
     val_examples: int | None = None,
     team: Team | None = None,
     skip_unfinished: bool = False,
+    num_workers: int | None = None,
+    merge_device: str | None = None,
 ) -> list[ModelResult] | None:
     """Evaluate finished runs of the same tasks and model into `out_dir` (results.json/.csv/.md,
     selection.json, plots; the cells in cells/). Returns the results in process 0, None elsewhere.
 
     Runs at the same N must differ only in the seed (seed_everything, and data.seed, which the
     SLURM seed sweep sets to the same value); the table then adds the mean and sample standard
-    deviation over the seeds (format: mima.evaluation.results_files)."""
+    deviation over the seeds (format: mima.evaluation.results_files). `num_workers` loader workers per
+    process (None: the first run's data.num_workers). `merge_device` (`--merge-device`): where the
+    merges' arithmetic runs (None or "auto": each process's evaluation device)."""
     started = started or time.time()
     team = team or Team(session=f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}")
     if val_examples is not None and val_examples <= 0:
         raise MimaError(f"--val-examples {val_examples}: expected a positive number of examples per task")
+    if num_workers is not None and num_workers < 0:
+        raise MimaError(f"--num-workers {num_workers}: expected 0 or more loader worker processes")
+    device = claim_device(team.local_rank)  # first: nothing below may open a CUDA context on another GPU
+    merges_on = device if merge_device in (None, "auto") else resolve_merge_device(merge_device, "--merge-device")
     evaluation = describe_evaluation(run_dirs, merges, select_on_val, val_examples,
-                                     precision or default_precision(team.device()), skip_unfinished)
+                                     precision or default_precision(device), skip_unfinished)
+    workers = int(evaluation.configs[0].data.num_workers) if num_workers is None else num_workers
+    settings = EvalSettings(precision=evaluation.precision, num_workers=workers, pin_memory=device.type == "cuda")
     # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
     with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
         return _evaluate(evaluation, Path(out_dir), merges, select_on_val, overwrite, title, extra, started,
-                         val_examples, team)
+                         val_examples, team, device, settings, merges_on)
 
 
 def _evaluate(evaluation: Evaluation, out_dir: Path, merges: Sequence[str], select_on_val: bool, overwrite: bool,
               title: str, extra: dict | None, started: float, val_examples: int | None,
-              team: Team) -> list[ModelResult] | None:
+              team: Team, device: torch.device, settings: EvalSettings,
+              merge_device: torch.device | None = None) -> list[ModelResult] | None:
     store = CellStore(out_dir, team.session, team.rank)
     sweep = SweepFolder(out_dir)
     if team.rank == 0:
@@ -465,16 +486,16 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, merges: Sequence[str], sele
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # evaluation tolerates TF32's 10-bit mantissa matmuls
         torch.backends.cudnn.allow_tf32 = True
-    device = team.device()
-    settings = EvalSettings(precision=evaluation.precision, num_workers=int(evaluation.configs[0].data.num_workers),
-                            pin_memory=device.type == "cuda")
     with StopRequests(team) as stop:
         try:
-            worker = Worker(evaluation, store, stop, settings, device)
-            for unit in mine:
-                if stop.requested():
-                    raise EvaluationStopped()
-                worker.run(unit)
+            worker = Worker(evaluation, store, stop, settings, device, merge_device or device)
+            try:
+                for unit in mine:
+                    if stop.requested():
+                        raise EvaluationStopped()
+                    worker.run(unit)
+            finally:
+                worker.close()  # its loader workers end before this process waits for the others
             _finish_rank(store, team, stop)
         except EvaluationStopped:
             _stopped(store, team, stop.signal, title)

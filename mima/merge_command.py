@@ -11,6 +11,12 @@ written next to the output (OUTPUT.results.json and .md); `--select-on val` choo
 hyperparameters on the validation splits first. Data-free merges without selection stream tensor by
 tensor; the others hold the models in memory.
 
+`--device` (auto, cpu, cuda, cuda:N; auto: the first GPU where torch sees one, else the CPU) is where
+the arithmetic runs: each key's tensors go to the device and the merged tensor comes back to be
+written; `--device cpu` gives the file the CPU merge has always written, bit for bit, and a GPU the
+same within float32 rounding. Data-dependent strategies compute where their task pool is. A device
+the machine lacks is refused before any input is opened.
+
 An input tensor holding NaN or Inf is refused, naming the file and the tensor, and so is a merged
 tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
 strategies that decompose matrices still cannot, which is one line too). The output is never one of
@@ -27,7 +33,7 @@ from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
-from mima.merging.engine import expand_models, merge_to_file, open_inputs, write_state_dict
+from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
 from mima.merging.registry import HYPERPARAMETERS, MergeMethod
 from mima.merging.selection import Selection, merge_with_defaults, select_on_validation
 
@@ -53,6 +59,7 @@ def given_hyperparameters(options, method: MergeMethod) -> dict[str, object]:
 def run_merge(options) -> None:
     method = get_method(options.method)
     given = given_hyperparameters(options, method)
+    device = merge_device(options.device, "--device")  # an absent GPU is refused before any file is opened
     if options.output.is_dir():  # before any work: no --overwrite replaces a folder by a file
         raise MimaError(f"{options.output}: is a folder; give a file name to write")
     if not options.overwrite:
@@ -80,13 +87,14 @@ def run_merge(options) -> None:
         streamable = not method.needs_data and not method.per_task and not options.select_on
         if streamable:
             merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(checked.values)},
-                          options.overwrite, allow_non_finite=allow)
+                          options.overwrite, allow_non_finite=allow, device=device)
             selection = Selection(method.name, checked.values, None)
         else:
             # read through the checked views, so that a NaN or Inf is named by its file
             models = [dict(view.items()) for view in checked.models]
             base = dict(checked.base.items()) if checked.base is not None else None
-            selection = choose(method, models, base, pool, given, options.select_on, allow)
+            # the method bound to the device, so that selection's merges and sweeps compute there too
+            selection = choose(method.on(device), models, base, pool, given, options.select_on, allow)
             order = list(selection.merged) if method.per_task else list((base or models[0]).keys())
             meta = {**metadata, "hparams": printable(selection.hparams)}
             if method.per_task:
@@ -94,7 +102,9 @@ def run_merge(options) -> None:
             write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
     if pool is not None:
         report_results(options.output, method, selection, pool, options.overwrite)
-    print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'}) -> {options.output}")
+    where = "" if device.type == "cpu" or method.needs_data else f" on {device}"
+    print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'})"
+          f"{where} -> {options.output}")
 
 
 def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: dict, select_on: str | None,

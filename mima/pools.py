@@ -30,6 +30,7 @@ from mima.core.safetensors_io import load_state_dict
 from mima.core.subsets import first_examples
 from mima.data.tasks import TaskData
 from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
+from mima.evaluation.loader_pool import LoaderPool
 from mima.merging.engine import expand_models
 from mima.models.classifier import classify
 from mima.models.clip import default_cache_dir, load_clip
@@ -49,6 +50,7 @@ class TaskPool:
     seed: int = 0
     config: RunConfig | None = None
     _evaluators: dict[tuple, TaskEvaluator] = field(default_factory=dict)
+    loaders: LoaderPool = field(default_factory=LoaderPool)  # the evaluators' one set of loader workers
 
     def loader(self, task: str, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
@@ -68,13 +70,15 @@ class TaskPool:
 
     def evaluator(self, split: str, settings: EvalSettings | None = None, examples: int | None = None) -> TaskEvaluator:
         """An evaluator of every task's `split`; with `examples`, of a fixed random subset of that many
-        examples per task (`fixed_subset`; the whole split where it is smaller)."""
+        examples per task (`fixed_subset`; the whole split where it is smaller). Every evaluator of
+        this pool loads through `self.loaders`: one set of loader workers per pool, whatever the
+        tasks and splits (mima.evaluation.loader_pool)."""
         key = (split, settings, examples)
         if key not in self._evaluators:
             datasets = {task: getattr(self.splits[task], split) for task in self.tasks}
             if examples is not None:
                 datasets = {task: fixed_subset(dataset, examples) for task, dataset in datasets.items()}
-            self._evaluators[key] = TaskEvaluator(self.encoder, self.heads, datasets, settings=settings)
+            self._evaluators[key] = TaskEvaluator(self.encoder, self.heads, datasets, settings=settings, loaders=self.loaders)
         return self._evaluators[key]
 
 
@@ -94,7 +98,7 @@ def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> Ta
     config = source if isinstance(source, RunConfig) else load_run_config(source)
     model = config.model
     cache = Path(model.cache_dir) if model.cache_dir else default_cache_dir()
-    loaded = load_clip(model.clip, model.pretrained, cache_dir=cache)
+    loaded = load_clip(model.clip, model.pretrained, cache_dir=cache, quick_gelu=model.quick_gelu)
     data = config.datamodule()
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     train_sets = {name: split.train for name, split in splits.items()}

@@ -6,6 +6,10 @@ on disk. It fetches
     (huggingface_hub's, under $HF_HOME; or ~/.cache/clip for URL-only tags), without building the
     model: `mima fit` loads them from there by the same tag;
   - the tasks of the `data:` section that torchvision can download, into `data.root`.
+With `--weights-dir DIR` the weights are also copied to DIR/<architecture>-<tag>.<ext>, with a record
+of their architecture, tag and activation beside them (WEIGHTS.open_clip.json): a config can then
+name that file as `model.pretrained` on a node that has no cache, and `model.quick_gelu: auto` reads
+the activation from the record. A config that names a weight file is checked for the same thing.
 Everything else is local (embedded models are built on first use into $MIMA_CACHE_DIR, local-dir
 folders, checkpoint files, bundled suites, custom task folders) and is reported as such. What is
 still missing at the end (say, tasks that need a manual download) is named on one line, exit status 2.
@@ -16,10 +20,12 @@ run it to see whether its caches are complete.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from mima.core.errors import MimaError
+from mima.core.files import atomic_path
 from mima.data.check import STATUS_FOUND, check_task
 from mima.data.clip_tasks import REAL_TASKS, TASKS, require_files
 from mima.data.datamodule import resolve_run_tasks
@@ -34,14 +40,19 @@ from mima.models.clip import (
     default_cache_dir,
     fetch_pretrained,
     offline,
+    resolve_quick_gelu,
+    weights_record_file,
+    write_weights_record,
 )
 from mima.config.run_config import RunConfig, load_run_config
 
 
-def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] = print) -> list[str]:
+def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] = print,
+             weights_dir: Path | None = None) -> list[str]:
     """Fetch the model weights and datasets a run configuration (or config file, or run folder) needs;
     one line per item (also passed to `say` as it goes: downloads take a while). What could not be
-    fetched ends it with one MimaError line, after every other item was tried."""
+    fetched ends it with one MimaError line, after every other item was tried. `weights_dir`: also
+    copy the weights there, with the record of their activation beside them."""
     if not isinstance(config, RunConfig):
         config = load_run_config(config)
     lines: list[str] = []
@@ -52,7 +63,7 @@ def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] =
         say(line)
 
     try:
-        report(_fetch_model(config.model.clip, config.model.pretrained))
+        report(_fetch_model(config.model.clip, config.model.pretrained, config.model.quick_gelu, weights_dir))
     except MimaError as exc:
         failures.append(str(exc))
     data_failure = _fetch_data(config.data_args(), report)
@@ -63,18 +74,41 @@ def prefetch(config: RunConfig | str | os.PathLike, say: Callable[[str], None] =
     return lines
 
 
-def _fetch_model(clip: str, pretrained: str | None) -> str:
+def _fetch_model(clip: str, pretrained: str | None, quick_gelu, weights_dir: Path | None = None) -> str:
     if clip.startswith(EMBEDDED_PREFIX):
         return f"model {clip}: built on first use into {default_cache_dir()} (no download)"
     if clip.startswith(LOCAL_DIR_PREFIX):
         return f"model {clip}: a local folder (no download)"
     if not pretrained or pretrained.lower() in RANDOM_WEIGHTS:
         return f"model {clip}: random weights (no download)"
-    if Path(pretrained).is_file():
-        return f"model {clip}: the local file {pretrained} (no download)"
+    if Path(pretrained).is_file():  # refused here, on the login node, when nothing says its activation
+        activation = _activation_name(resolve_quick_gelu(clip, pretrained, quick_gelu))
+        return f"model {clip}: the local file {pretrained} (no download; {activation})"
     check_pretrained_tag(clip, pretrained)
+    activation = resolve_quick_gelu(clip, pretrained, quick_gelu)
     path, cached = fetch_pretrained(clip, pretrained)
-    return f"model {clip} ({pretrained}): {'already in the cache' if cached else 'downloaded'}: {path}"
+    line = f"model {clip} ({pretrained}): {'already in the cache' if cached else 'downloaded'}: {path}"
+    if weights_dir is not None:
+        copy = copy_weights(Path(path), Path(weights_dir), clip, pretrained, bool(activation))
+        line += f"; copied to {copy} ({_activation_name(activation)}, recorded in {weights_record_file(copy).name})"
+    return line
+
+
+def _activation_name(quick_gelu: bool | None) -> str:
+    return "QuickGELU" if quick_gelu else "GELU"
+
+
+def copy_weights(source: Path, weights_dir: Path, clip: str, tag: str, quick_gelu: bool) -> Path:
+    """Copy a tag's cached weight file to WEIGHTS_DIR/<clip>-<tag><suffix> (atomically) and record its
+    activation beside it. An existing copy of the same size is kept; a different file is refused."""
+    target = weights_dir.expanduser() / f"{clip}-{tag}{source.suffix}"
+    if target.exists() and target.stat().st_size != source.stat().st_size:
+        raise MimaError(f"--weights-dir: {target} exists and is not a copy of {source}; remove it or choose another folder")
+    if not target.exists():
+        with atomic_path(target, overwrite=False) as temporary:
+            shutil.copyfile(source, temporary)
+    write_weights_record(target, clip, tag, quick_gelu)
+    return target
 
 
 def _fetch_data(data: dict, report: Callable[[str], None]) -> str | None:

@@ -184,12 +184,12 @@ OPENAI_QUICK_GELU = {("ViT-B-32", "openai"), ("ViT-B-16", "openai"), ("ViT-L-14"
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_configs_build_the_activation_their_weights_were_trained_with(name):
-    from mima.models.clip import needs_quick_gelu, text_tower_fingerprint
+    from mima.models.clip import resolve_quick_gelu, text_tower_fingerprint
 
     model = yaml.safe_load(CONFIGS[name].read_text())["model"]
     assert (model["clip"], model["pretrained"]) in OPENAI_QUICK_GELU
-    assert needs_quick_gelu(model["clip"], model["pretrained"])
-    assert not needs_quick_gelu("ViT-B-32", "laion2b_s34b_b79k")  # LAION's open_clip runs use GELU
+    assert resolve_quick_gelu(model["clip"], model["pretrained"]) is True
+    assert resolve_quick_gelu("ViT-B-32", "laion2b_s34b_b79k") is False  # LAION's open_clip runs use GELU
     # the zero-shot head cache tells the two activations apart (same weights, different heads)
     tiny = {"embed_dim": 8, "vision_cfg": {"image_size": 8, "patch_size": 4, "width": 16, "layers": 1, "head_width": 8},
             "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1}}

@@ -239,3 +239,29 @@ def test_prefetch_with_a_bad_tag_is_one_line(tmp_path, hub_cache, capsys):
     assert main(["prefetch", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'nosuchtag' is neither a file nor a known tag of ViT-B-32" in err[0]
+
+
+def test_prefetch_weights_dir_copies_the_tags_file_with_its_activation_recorded(tmp_path, hub_cache, capsys):
+    """--weights-dir: the cached file copied byte for byte, with the tag's activation (OpenAI's: QuickGELU)
+    recorded beside it, which `model.quick_gelu: auto` reads when a config names the copy."""
+    from mima.models.clip import resolve_quick_gelu, weights_record_file
+
+    weights = cache_file(hub_cache, OPENAI_B32_REPO, "open_clip_model.safetensors", content=b"cached bytes")
+    config = write_config(tmp_path / "b32.yaml", {"clip": "ViT-B-32", "pretrained": "openai"},
+                          {"suite": "digits", "tasks": ["rot90"]})
+    assert main(["prefetch", "--config", str(config), "--weights-dir", str(tmp_path / "models")]) == 0
+    copy = tmp_path / "models" / "ViT-B-32-openai.safetensors"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"mima prefetch: model ViT-B-32 (openai): already in the cache: {weights}; copied to {copy} "
+                      f"(QuickGELU, recorded in {weights_record_file(copy).name})")
+    assert copy.read_bytes() == b"cached bytes"
+    assert resolve_quick_gelu("ViT-B-32", str(copy)) is True
+    # a config naming the copy is checked the same way, and a file nothing describes is refused
+    named = write_config(tmp_path / "copy.yaml", {"clip": "ViT-B-32", "pretrained": str(copy)},
+                         {"suite": "digits", "tasks": ["rot90"]})
+    assert main(["prefetch", "--config", str(named)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"mima prefetch: model ViT-B-32: the local file {copy} (no download; QuickGELU)")
+    weights_record_file(copy).unlink()
+    assert main(["prefetch", "--config", str(named)]) == 2
+    assert "model.quick_gelu: auto cannot tell" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_a_harmless_change_is_accepted_recorded_and_gives_the_same_weights(whole
     history = [json.loads(line) for line in (stopped_run / "config_changes.jsonl").read_text().splitlines()]
     assert len(history) == 1
     assert history[0]["changes"]["trainer.enable_progress_bar"] == [False, True]
-    assert history[0]["changes"]["checkpoint_every"] == ["segment", "phase"]
+    assert history[0]["changes"]["checkpoint_every"] == ["auto", "phase"]
     # how the command was called (--ckpt_path, --out: the copy is in another folder) is not a config change
     assert set(history[0]["changes"]) == {"trainer.enable_progress_bar", "checkpoint_every", "keep_checkpoints"}
     assert not temporaries(stopped_run)

@@ -29,10 +29,10 @@ TASKS = ["rot90", "mirror"]
 # cosine with schedule_scope run, sync_merge uniform, batchnorm frozen, probe_shots null) rather than
 # read from the signatures the parser reads: a changed default must be changed here, on purpose.
 MODEL_DEFAULTS = {
-    "pretrained": "openai", "steps": 2000, "iterations": 20, "lr": 1e-05, "weight_decay": 0.1, "warmup_steps": 200,
+    "pretrained": "openai", "quick_gelu": "auto", "steps": 2000, "iterations": 20, "lr": 1e-05, "weight_decay": 0.1, "warmup_steps": 200,
     "lr_schedule": "cosine", "schedule_scope": "run", "optimizer_state": "keep", "heads": "zero_shot",
     "batchnorm": "frozen", "cache_dir": None, "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None,
-    "grad_checkpointing": False, "sync_merge": "uniform", "sync_merge_args": None, "phase_schedule": "equal",
+    "grad_checkpointing": "auto", "sync_merge": "uniform", "sync_merge_args": None, "phase_schedule": "equal",
     "phase_ratio": 2.0,
 }
 DATA_DEFAULTS = {
@@ -58,8 +58,8 @@ def test_a_run_folder_written_before_this_change_still_loads():
     """tests/fixtures/run_config_v0.1.yaml is the config.yaml of a demo run written by mima 0.1.0."""
     raw = yaml.safe_load((FIXTURES / "run_config_v0.1.yaml").read_text())
     config = load_run_config(FIXTURES / "run_config_v0.1.yaml")
-    assert config.model_args() == {**raw["model"], "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None,
-                                    "grad_checkpointing": False, "sync_merge": "uniform", "sync_merge_args": None,
+    assert config.model_args() == {**raw["model"], "quick_gelu": "auto", "mode": "mima", "segment_warmup_steps": 0,
+                                    "probe_shots": None, "grad_checkpointing": "auto", "sync_merge": "uniform", "sync_merge_args": None,
                                     "phase_schedule": "equal", "phase_ratio": 2.0}  # options added since: defaults
     assert config.data_args() == {**raw["data"], "cache": False, "cache_dir": None, "benchmark": None}  # options added since
     assert config.seed == raw["seed_everything"] and config.other["trainer"] == raw["trainer"]
@@ -96,19 +96,19 @@ def test_a_config_without_pretrained_gives_the_same_model_everywhere(tmp_path, s
     import mima.pools
     import mima.training.module
 
-    loads: list[tuple[str, str, object]] = []
+    loads: list[tuple[str, str, object, object]] = []
 
     def recorder(where, original):
-        def load_clip(name, pretrained=None, cache_dir=None):
-            loads.append((where, name, pretrained))
-            return original(name, pretrained, cache_dir=cache_dir)
+        def load_clip(name, pretrained=None, cache_dir=None, quick_gelu="auto"):
+            loads.append((where, name, pretrained, quick_gelu))
+            return original(name, pretrained, cache_dir=cache_dir, quick_gelu=quick_gelu)
 
         return load_clip
 
     monkeypatch.setattr(mima.training.module, "load_clip", recorder("fit", mima.training.module.load_clip))
     monkeypatch.setattr(mima.pools, "load_clip", recorder("pool", mima.pools.load_clip))
 
-    config = fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1)
+    config = fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1, quick_gelu=True)
     assert "pretrained" not in config["model"]
     config_file = tmp_path / "hand-written.yaml"
     config_file.write_text(yaml.safe_dump({k: v for k, v in config.items() if k != "out"}))
@@ -120,9 +120,9 @@ def test_a_config_without_pretrained_gives_the_same_model_everywhere(tmp_path, s
     analysis_pool = model_pool([run.path]).task_pool()  # what every analysis that needs data builds
     capsys.readouterr()
 
-    fit_loads = [(name, pretrained) for where, name, pretrained in loads if where == "fit"]
-    pool_loads = [(name, pretrained) for where, name, pretrained in loads if where == "pool"]
-    assert fit_loads == [(small_clip, "openai")]
+    fit_loads = [(name, pretrained, quick) for where, name, pretrained, quick in loads if where == "fit"]
+    pool_loads = [(name, pretrained, quick) for where, name, pretrained, quick in loads if where == "pool"]
+    assert fit_loads == [(small_clip, "openai", True)]  # the activation too, as the config says
     assert len(pool_loads) == 3 and set(pool_loads) == set(fit_loads)
     theta_0 = run.pretrained()
     for key, value in analysis_pool.encoder.state_dict().items():

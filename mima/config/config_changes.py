@@ -34,7 +34,13 @@ HARMLESS = frozenset({
     "trainer.enable_checkpointing", "trainer.default_root_dir", "trainer.profiler", "trainer.callbacks",
     "data.num_workers", "data.eval_batch_size", "data.download", "data.cache_dir",  # workers; evaluation only
     "model.cache_dir",  # where the embedded models and heads are cached (the same bytes wherever they are)
+    "model.grad_checkpointing",  # the same activations, recomputed in the backward pass instead of kept
 })
+# Options added after runs were written, with the value that does what the runs written before did:
+# a stored config without the key equals one with that value.
+ADDED_LATER = {
+    "model.quick_gelu": "auto",  # the activation as a tag says; a weight file was refused or now says it
+}
 # Keys that may change only where the layout check passes (the same number of processes, for now).
 LAYOUT = frozenset({"trainer.devices", "trainer.num_nodes"})
 
@@ -77,7 +83,7 @@ def compare_configs(stored: Mapping, new: Mapping, same_layout: Callable[[Mappin
     changes = ConfigChanges()
     layout_allowed = same_layout(stored, new)
     for key in sorted(set(old_flat) | set(new_flat)):
-        old, value = old_flat.get(key, ABSENT), new_flat.get(key, ABSENT)
+        old, value = old_flat.get(key, ADDED_LATER.get(key, ABSENT)), new_flat.get(key, ABSENT)
         if old == value or (_empty(old) and _empty(value)) or _covered(key, INVOCATION):
             continue
         if _covered(key, HARMLESS) or (_covered(key, LAYOUT) and layout_allowed):

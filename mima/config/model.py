@@ -33,6 +33,12 @@ class ModelSettings:
             `embedded:mobilenetv2-imagenet`.
         pretrained: pretrained tag or checkpoint file for an architecture name (ignored for
             `local-dir:` and `embedded:` models, which carry their weights).
+        quick_gelu: the MLP activation the model is built with: true (QuickGELU, what OpenAI's CLIP
+            weights were trained with), false (GELU) or "auto" (default): what the weights say. For a
+            tag, its pretrained config; for a weight file, the record `mima prefetch --weights-dir`
+            writes beside it or a `-quickgelu` architecture name, and otherwise the run is refused
+            (a file's tensors do not say, and the wrong activation loads silently); local-dir and
+            embedded folders carry their own setting.
         steps: S, optimiser steps per task over the whole run; or a map task -> S_t giving each task
             its own budget (every task of the run named once; each S_t a multiple of N): task t then
             takes K_t = S_t / N steps per phase, and the tasks are dealt to processes largest first
@@ -76,7 +82,9 @@ class ModelSettings:
         grad_checkpointing: recompute the image tower's activations in the backward pass instead of
             keeping them (open_clip's `set_grad_checkpointing`: ViT towers and timm models), for
             large towers at large batches (ViT-L/14 at batch 128); the same weights, about a third
-            more compute. A tower without the switch is an error, not a silent no-op.
+            more compute. "auto" (default): the run's plan decides (mima.training.plan_choices): on
+            only on a GPU whose memory the plan without it would fill beyond 85 %. A tower without
+            the switch is an error, not a silent no-op.
         sync_merge: the phase-end operator (mima.training.sync_merge): "uniform" (default: MIMA's
             average) or the name of any data-free merge of mima.merging (`mima merge --method`), applied to the tasks'
             end weights with theta_0 as the base at every sync; "task_arithmetic" with a fixed lam
@@ -90,6 +98,7 @@ class ModelSettings:
 
     clip: str = "ViT-B-32"
     pretrained: str | None = "openai"
+    quick_gelu: bool | Literal["auto"] = "auto"
     steps: int | dict[str, int] = 2000
     iterations: int = 20
     lr: float = 1e-5
@@ -104,7 +113,7 @@ class ModelSettings:
     mode: TrainingMode = "mima"
     segment_warmup_steps: int = 0
     probe_shots: int | None = None
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool | Literal["auto"] = "auto"
     sync_merge: str = "uniform"
     sync_merge_args: dict[str, Any] | None = None
     phase_schedule: PhaseSchedule = "equal"

@@ -17,14 +17,21 @@ at the end (nothing partial is left on error). It follows the safetensors format
 little-endian header length, a JSON header with dtype, shape and data offsets per tensor (the
 data start 8-byte aligned), then the raw little-endian data; the tests read its files back with
 `safe_open`.
+
+A merge that reads one key of every input at a time reads through a `GroupPrefetcher`: one background
+thread reads the next key's tensors while the caller computes on the current ones (the reads are
+`os.preadv` calls, which let go of the GIL), never more than one group ahead, and inspects each tensor
+it read (the merge engine: whether it is finite) so that the caller need not.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,15 +132,27 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         return MimaError(f"{self.path}: {how} while being read ({what}); an input must stay as it is during a merge, run it again")
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        return self.read_job(key)()
+
+    def read_job(self, key: str) -> Callable[[], torch.Tensor]:
+        """Reading `key` in two steps: its buffer allocated now, by the calling thread, and its bytes read
+        when the returned job runs (GroupPrefetcher runs it in its background thread). Buffers come from
+        the allocator of the thread that allocated them, and memory freed by another thread was more
+        often handed back to the system and faulted in again: a task arithmetic over 9 ViT-B/32-sized
+        files took a median 475k page faults with buffers allocated by the reading thread, 270k so
+        (benchmarks/README.md, "Reading ahead in streamed merges")."""
         if key not in self.infos:
             raise KeyError(key)  # as a Mapping should
+        buffer = torch.empty(self._offsets[key][1], dtype=torch.uint8)
+        return lambda: self._read_into(key, buffer)
+
+    def _read_into(self, key: str, buffer: torch.Tensor) -> torch.Tensor:
         if not self._open:
             raise MimaError(f"{self.path}: read after the file was closed (tensor '{key}')")
         if self._has_changed():
             raise self._changed(f"before tensor '{key}'")
         info = self.infos[key]
         offset, size = self._offsets[key]
-        buffer = torch.empty(size, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
         done = 0
         while done < size:  # one read returns at most about 2 GiB
@@ -166,6 +185,92 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
             os.close(self._fd)
 
     def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GroupPrefetcher:
+    """Reads ahead, in one background thread, the tensors of the key that comes next in a fixed order.
+
+    `read(source, key)` returns `sources[source][key]`: the same tensor, owned by the caller alone,
+    as a direct read gives. A *group* is one key's tensors from the sources that read the previous key
+    (all of them at first): when the first read of a key arrives, that key's group (read ahead while
+    the caller worked on the previous key) becomes the one served, and the next key's group is
+    submitted. Each prefetched tensor is handed out once; a second read of the same tensor, a source
+    the group left out, or a key out of order (a strategy's second pass, a jump) reads directly, and
+    what was read ahead for another key is dropped. So memory holds at most two groups (the one served
+    and the one being read), results do not depend on the timing, and nothing is read before the first
+    `read`. Every call comes from one thread (the caller's); the background thread only reads, and
+    runs `inspect` on each tensor it read (`read_inspected` hands the verdict over with the tensor).
+    """
+
+    def __init__(self, sources: Sequence[Mapping[str, torch.Tensor]], order: Sequence[str],
+                 inspect: Callable[[torch.Tensor], object] | None = None) -> None:
+        self.sources, self.order, self.inspect = list(sources), list(order), inspect
+        self.position = {key: index for index, key in enumerate(self.order)}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mima-prefetch")
+        self.current: int | None = None  # the position of the key being served
+        self.served: dict[int, Future] = {}  # source -> its tensor of the current key (not yet handed out)
+        self.ahead: dict[int, Future] = {}  # source -> its tensor of the next key (being read)
+        self.readers: set[int] = set()  # the sources that read the current key so far
+        self.expected: set[int] = set(range(len(self.sources)))  # the sources read ahead for each key
+
+    def read(self, source: int, key: str) -> torch.Tensor:
+        return self.read_inspected(source, key)[0]
+
+    def read_inspected(self, source: int, key: str) -> tuple[torch.Tensor, object]:
+        """(`sources[source][key]`, what `inspect` said of it), the verdict None where the tensor was
+        read directly (not ahead), or without `inspect`."""
+        position = self.position[key]
+        if position != self.current:
+            self._move_to(position)
+        self.readers.add(source)
+        future = self.served.pop(source, None)
+        return future.result() if future is not None else (self.sources[source][key], None)
+
+    def _submit(self, source: int, key: str) -> Future:
+        """Read `key` of `source` in the background; a source that can (SafetensorsReader.read_job) has its
+        buffer allocated here, by the caller's thread, which frees it."""
+        read_job = getattr(self.sources[source], "read_job", None)
+        job = read_job(key) if read_job is not None else functools.partial(self.sources[source].__getitem__, key)
+        return self.executor.submit(self._fetch, job)
+
+    def _fetch(self, job: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, object]:
+        """Run in the background thread."""
+        tensor = job()
+        return tensor, self.inspect(tensor) if self.inspect is not None else None
+
+    def _move_to(self, position: int) -> None:
+        following = self.current is not None and position == self.current + 1
+        if following:  # the caller reads in order: the sources it read last time are those it will read next
+            self.expected, served = self.readers, self.ahead
+        else:
+            self._drop(self.ahead)
+            served = {}
+        self._drop(self.served)  # the current group's tensors nobody asked for
+        self.current, self.served, self.readers = position, served, set()
+        following_key = self.order[position + 1] if position + 1 < len(self.order) else None
+        self.ahead = {} if following_key is None else {
+            source: self._submit(source, following_key) for source in sorted(self.expected)
+        }
+
+    @staticmethod
+    def _drop(futures: dict[int, Future]) -> None:
+        """Forget tensors read ahead for nothing: those not started are never read, the others are freed
+        when read (an error in such a read concerns a tensor nobody asked for)."""
+        for future in futures.values():
+            future.cancel()
+        futures.clear()
+
+    def close(self) -> None:
+        """Stop reading ahead and wait for the read in progress (before the sources close)."""
+        self._drop(self.served)
+        self._drop(self.ahead)
+        self.executor.shutdown(wait=True)
+
+    def __enter__(self) -> GroupPrefetcher:
         return self
 
     def __exit__(self, *exc) -> None:

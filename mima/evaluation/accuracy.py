@@ -10,12 +10,18 @@ synchronisation per batch. It runs in the precision given (`EvalSettings.precisi
 (float32; TF32 matmuls are allowed on CUDA) or "bf16-mixed"/"16-mixed" (autocast over the
 encoder; the head's product stays in float32), and stops
 between two batches when `should_stop` says so (a SIGTERM or SIGUSR1 seen by `mima evaluate`).
+
+An evaluator's passes share one set of `num_workers` loader workers with every other evaluator of
+its LoaderPool (mima.evaluation.loader_pool; a TaskPool's evaluators share the pool's): a process
+has at most `num_workers` of them alive, however many tasks and splits it evaluates. Each worker
+prepares at most `prefetch_factor` batches ahead, so at most num_workers x prefetch_factor batches
+are in flight (pinned, on a GPU) at any time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mima.core.errors import MimaError
+from mima.evaluation.loader_pool import LoaderPool
 from mima.models.classifier import classify
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -40,24 +47,28 @@ class EvalSettings:
 
     precision: "32-true", "bf16-mixed" or "16-mixed" (autocast on the encoder's device).
     batch_size: images per forward pass.
-    num_workers: DataLoader worker processes (persistent between passes over the same split).
+    num_workers: DataLoader worker processes, shared by every pass of a LoaderPool (0: load in this process).
     pin_memory: page-locked host batches, copied to the device without blocking (CUDA only).
+    prefetch_factor: batches each worker prepares ahead (bounds the batches in flight).
     """
 
     precision: str = "32-true"
     batch_size: int = 512
     num_workers: int = 0
     pin_memory: bool = False
+    prefetch_factor: int = 2
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise MimaError(f"--precision: '{self.precision}' is none of {', '.join(PRECISIONS)}")
-        if self.batch_size < 1 or self.num_workers < 0:
-            raise MimaError(f"evaluation batch size {self.batch_size} / workers {self.num_workers}: expected >= 1 / >= 0")
+        if self.batch_size < 1 or self.num_workers < 0 or self.prefetch_factor < 1:
+            raise MimaError(f"evaluation batch size {self.batch_size} / workers {self.num_workers} / prefetch "
+                            f"{self.prefetch_factor}: expected >= 1 / >= 0 / >= 1")
 
     def loader(self, dataset: Dataset) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
+        """A DataLoader of `dataset` alone; its workers (not persistent) end when a pass does."""
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                          prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
 
 
 def default_precision(device: torch.device) -> str:
@@ -73,10 +84,10 @@ def accuracy_of(correct: int, total: int) -> float:
 
 
 @torch.no_grad()
-def count_correct(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, precision: str = "32-true",
+def count_correct(encoder: nn.Module, head: torch.Tensor, loader: Iterable, precision: str = "32-true",
                   should_stop: Callable[[], bool] | None = None) -> Counts:
-    """(correct, total) of the encoder with `head` over `loader`; the count stays on the device
-    until the end (one host synchronisation per call)."""
+    """(correct, total) of the encoder with `head` over the (images, labels) batches of `loader`;
+    the count stays on the device until the end (one host synchronisation per call)."""
     device = next(encoder.parameters()).device
     head = head.to(device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -85,8 +96,9 @@ def count_correct(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, pr
     encoder.eval()
     autocast = (torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
                 else contextlib.nullcontext())
+    batches = iter(loader)
     try:
-        for images, labels in loader:
+        for images, labels in batches:
             if should_stop is not None and should_stop():
                 raise EvaluationStopped()
             with autocast:
@@ -98,6 +110,9 @@ def count_correct(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, pr
             total += int(labels.shape[0])
     finally:
         encoder.train(was_training)
+        # dropped now, not when a traceback holding this frame is collected: a loader's own workers
+        # (not persistent) end with their iterator, and a LoaderPool's next pass may start others
+        del batches
     return int(correct), total
 
 
@@ -107,7 +122,8 @@ def task_accuracy(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, pr
 
 
 class TaskEvaluator:
-    """Holds one working encoder, the tasks' heads and loaders; evaluates any encoder state dict."""
+    """Holds one working encoder, the tasks' heads and datasets; evaluates any encoder state dict,
+    one task at a time, through `loaders` (shared with other evaluators, or its own)."""
 
     def __init__(
         self,
@@ -116,20 +132,21 @@ class TaskEvaluator:
         datasets: Mapping[str, Dataset],
         batch_size: int = 512,
         settings: EvalSettings | None = None,
+        loaders: LoaderPool | None = None,
     ) -> None:
         self.encoder = encoder
         self.heads = dict(heads)
         self.settings = settings if settings is not None else EvalSettings(batch_size=batch_size)
         self.datasets = dict(datasets)
-        self._loaders: dict[tuple[str, bool], DataLoader] = {}
+        self.loaders = loaders if loaders is not None else LoaderPool()
+        if self.settings.num_workers > 0:
+            self.loaders.know(self.datasets.values())  # the workers start once for all of them
 
-    def loader(self, name: str) -> DataLoader:
-        """Task `name`'s loader (kept, so persistent workers live on); batches are pinned when the
-        settings say so or the encoder is on a CUDA device."""
+    def loader(self, name: str) -> Iterable:
+        """One pass over task `name`'s batches; pinned when the settings say so or the encoder is
+        on a CUDA device."""
         pin = self.settings.pin_memory or next(self.encoder.parameters()).device.type == "cuda"
-        if (name, pin) not in self._loaders:
-            self._loaders[(name, pin)] = replace(self.settings, pin_memory=pin).loader(self.datasets[name])
-        return self._loaders[(name, pin)]
+        return self.loaders.one_pass(self.datasets[name], replace(self.settings, pin_memory=pin))
 
     def load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load weights strictly: a merged state dict must fit the encoder exactly."""

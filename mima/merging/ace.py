@@ -66,7 +66,7 @@ def ace_matrix(taus: list[torch.Tensor], epsilon: float, rank_fraction: float) -
     taus = [tau.double() for tau in taus]
     count, width = len(taus), taus[0].shape[1]
     heterogeneous = is_heterogeneous(taus)
-    covariance_sum = torch.zeros(width, width, dtype=torch.float64)  # sum_t S_t (no ridge)
+    covariance_sum = torch.zeros(width, width, dtype=torch.float64, device=taus[0].device)  # sum_t S_t (no ridge)
     ridge_sum = 0.0  # sum_t e_t
     weighted = torch.zeros_like(taus[0])  # sum_t C_t (S_t + e_t I)
     moved = torch.zeros_like(taus[0])  # sum_t W_t S_t (the refinement's, uncentred)
@@ -82,7 +82,7 @@ def ace_matrix(taus: list[torch.Tensor], epsilon: float, rank_fraction: float) -
         weighted += scale * (torch.linalg.multi_dot([centred, centred.T, centred]) + epsilon * centred)
         if heterogeneous:
             moved += scale * torch.linalg.multi_dot([tau, centred.T, centred])
-    system = covariance_sum + ridge_sum * torch.eye(width, dtype=torch.float64)
+    system = covariance_sum + ridge_sum * torch.eye(width, dtype=torch.float64, device=taus[0].device)
     prior = covariance_sum.mean(dim=0, keepdim=True)  # a row, broadcast over the system's rows
     if heterogeneous:
         prior = prior / (float(torch.stack([tau.square().sum() for tau in taus]).mean()) + TINY)

@@ -44,5 +44,6 @@ register(
         defaults={"lam": 0.2, "density": 0.15, "gamma": 0.006},
         grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))},
         scaled_fn=breadcrumbs,
+        entrywise=True,
     )
 )

@@ -108,7 +108,7 @@ def _cart(models, rank_ratio: float, matrices: set[str]):
             yield key, average, None
             continue
         rank = cart_rank(average.shape, rank_ratio)
-        total = torch.zeros(average.shape, dtype=torch.float32)
+        total = torch.zeros(average.shape, dtype=torch.float32, device=average.device)
         for model in models:
             total += low_rank(model[key].float() - average.float(), rank)
         yield key, average, total
@@ -121,19 +121,19 @@ def cart_sweep(models, base, rank_ratio: Sequence[float], matrix_keys: str = DEF
 
 
 def _cart_sweep(models, ratios: list[float], matrices: set[str]):
-    anchor, directions = {}, {ratio: {} for ratio in ratios}
+    anchor, directions = {}, {ratio: {} for ratio in ratios}  # every setting's merge: kept in host memory
     for key in models[0]:
         average = mean_tensor(models, key)
-        anchor[key] = average
+        anchor[key] = average.to("cpu")
         if key not in matrices:
             continue
-        totals = {ratio: torch.zeros(average.shape, dtype=torch.float32) for ratio in ratios}
+        totals = {ratio: torch.zeros(average.shape, dtype=torch.float32, device=average.device) for ratio in ratios}
         for model in models:
             decomposition = svd(model[key].float() - average.float())
             for ratio in ratios:
                 totals[ratio] += decomposition.low_rank(cart_rank(average.shape, ratio))
         for ratio in ratios:
-            directions[ratio][key] = totals[ratio]
+            directions[ratio][key] = totals[ratio].to("cpu")
     for ratio in ratios:
         yield {"rank_ratio": ratio}, anchor, directions[ratio]
 

@@ -8,6 +8,7 @@ TALL's consensus masks, the CART variants' rule and rank, RegMean++'s RegMean, F
   per-task indexes   their shared entries; masks packed one bit per entry (TALL, EMR) and the
                      masked reconstruction
   finite inputs      NaN/Inf refused as a tensor is read, and named with its input and key
+  devices            inputs read onto the device a merge computes on, in IEEE float32 matmuls
 
 Every function works on mappings from key to tensor, which may be lazy file-backed readers: those
 with `infos` (key -> TensorInfo) are asked for shapes and dtypes without reading a tensor.
@@ -50,9 +51,16 @@ def summed_task_vectors(models: Sequence[TensorMap], base: TensorMap, transform:
             continue
         total = accumulator(anchor)
         reference = anchor.to(total.dtype)
+        # without a transform, one buffer holds each task's tau in turn (fresh ones cost page faults);
+        # the same arithmetic either way
+        scratch = torch.empty_like(total) if transform is None else None
         for index, model in enumerate(models):
-            tau = model[key] - reference
-            total += transform(index, key, tau) if transform is not None else tau
+            tensor = model[key]
+            if scratch is not None and torch.result_type(tensor, reference) == scratch.dtype:
+                total += torch.sub(tensor, reference, out=scratch)
+            else:
+                tau = tensor - reference
+                total += transform(index, key, tau) if transform is not None else tau
         yield key, anchor, total
 
 
@@ -140,8 +148,8 @@ def block_depths(keys: Iterable[str], block_keys: str, method: str) -> dict[str,
 
 # ----------------------------------------------------------------------------- packed masks
 def pack(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask as one bit per entry (numpy.packbits of the flattened mask)."""
-    return torch.from_numpy(np.packbits(mask.reshape(-1).numpy()))
+    """A boolean mask as one bit per entry (numpy.packbits of the flattened mask), on the CPU."""
+    return torch.from_numpy(np.packbits(mask.reshape(-1).to("cpu").numpy()))
 
 
 def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -195,7 +203,8 @@ class FiniteView(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         tensor = self.model[key]
-        if not all_finite(tensor):
+        finite = known_finite(self.model, key)
+        if not (finite if finite is not None else all_finite(tensor)):
             raise MimaError(f"{self.name}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
                             "(allow_non_finite=True, --allow-non-finite, merges them as they are)")
         return tensor
@@ -205,6 +214,13 @@ class FiniteView(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.model)
+
+
+def known_finite(model: TensorMap, key: str) -> bool | None:
+    """Whether the tensor just read from `model` for `key` is finite, where the model already knows
+    (the file engine's inputs, checked by the thread that read them ahead); None where it does not."""
+    known = getattr(model, "known_finite", None)
+    return known(key) if known is not None else None
 
 
 def refusing_non_finite(model: TensorMap, name: str) -> FiniteView:
@@ -228,3 +244,56 @@ def refusing_linalg_errors(method: str, items: Iterator) -> Iterator:
     """A streamed merge whose decompositions' failures on NaN/Inf are one-line errors (see above)."""
     with linalg_errors_as_refusals(method):
         yield from items
+
+
+# ----------------------------------------------------------------------------- devices
+class DeviceView(Mapping[str, torch.Tensor]):
+    """A model whose tensors are moved to `device` as they are read, so that a strategy, which computes
+    where its inputs are, computes there one key at a time. Moving a CPU tensor to the CPU returns it
+    as it is: the CPU path runs the same functions on the same tensors."""
+
+    def __init__(self, model: TensorMap, device: torch.device) -> None:
+        self.model, self.device = model, device
+        # lazy readers keep answering shapes and dtypes from their headers, and errors name their file
+        self.infos = getattr(model, "infos", None)
+        self.path = getattr(model, "path", None)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.model[key].to(self.device)
+
+    def known_finite(self, key: str) -> bool | None:
+        return known_finite(self.model, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.model)
+
+    def __len__(self) -> int:
+        return len(self.model)
+
+
+def on_device(model: TensorMap, device: torch.device | None) -> TensorMap:
+    """`model` read onto `device`; as it is without a device."""
+    if device is None or (isinstance(model, DeviceView) and model.device == device):
+        return model
+    return DeviceView(model, device)
+
+
+def on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A merge's tensors back in host memory (the same tensors when they are there already)."""
+    return {key: tensor.to("cpu") for key, tensor in tensors.items()}
+
+
+@contextlib.contextmanager
+def ieee_matmuls(device: torch.device | None):
+    """Float32 matrix products in full precision on a CUDA device while a merge runs there: a process
+    that allowed TF32 for speed (evaluation does) would otherwise merge with 10-bit mantissas, far
+    from the CPU's result. Restored afterwards; nothing changes on the CPU."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed

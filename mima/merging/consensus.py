@@ -24,7 +24,7 @@ from mima.merging.registry import MergeMethod, register
 def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tensor:
     """m_t = |tau_t| > lam_t * |tau_MTL - tau_t|, for stacked task vectors [T, ...]; `mask_lam` is a
     number or one value per task."""
-    lam = torch.as_tensor(mask_lam, dtype=taus.dtype).reshape(-1, *([1] * (taus.ndim - 1)))
+    lam = torch.as_tensor(mask_lam, dtype=taus.dtype, device=taus.device).reshape(-1, *([1] * (taus.ndim - 1)))
     return taus.abs() > lam * (total.unsqueeze(0) - taus).abs()
 
 
@@ -60,5 +60,6 @@ register(
         defaults={"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
         grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 11))},
         scaled_fn=consensus,
+        entrywise=True,
     )
 )

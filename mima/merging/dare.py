@@ -31,8 +31,8 @@ def dare(tau: torch.Tensor, drop: float, seed: int, task: int, key: str) -> torc
     if drop == 0:
         return tau
     generator = torch.Generator().manual_seed(drop_seed(seed, task, key))
-    keep = torch.rand(tau.shape, generator=generator) >= drop
-    return tau * keep / (1 - drop)
+    keep = torch.rand(tau.shape, generator=generator) >= drop  # drawn on the CPU: the same mask on any device
+    return tau * keep.to(tau.device) / (1 - drop)
 
 
 def dare_task_arithmetic(models, base, drop: float, seed: int):
@@ -53,6 +53,7 @@ register(
         defaults={"lam": 0.3, "drop": 0.5, "seed": 0},
         grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
         scaled_fn=dare_task_arithmetic,
+        entrywise=True,
     )
 )
 register(
@@ -64,5 +65,6 @@ register(
         defaults={"lam": 1.0, "drop": 0.5, "seed": 0, "k": 20.0, "trim": "global"},
         grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=dare_ties,
+        entrywise=True,
     )
 )

@@ -64,7 +64,7 @@ def keep_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> to
         return torch.full_like(rows, density)
     order = torch.argsort(rows.abs(), dim=1, stable=True)
     ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(width).expand_as(order))  # 0-based rank of each entry
+    ranks.scatter_(1, order, torch.arange(width, device=rows.device).expand_as(order))  # 0-based rank of each entry
     return (density - epsilon) + 2 * epsilon * ranks.to(rows.dtype) / (width - 1)
 
 
@@ -75,7 +75,8 @@ def magprune(tau: torch.Tensor, density: float, epsilon: float, seed: int, task:
     rows = rows_of(tau.float())
     probabilities = keep_probabilities(rows, density, epsilon)
     generator = torch.Generator().manual_seed(della_seed(seed, task, key))
-    kept = torch.rand(rows.shape, generator=generator) < probabilities
+    draws = torch.rand(rows.shape, generator=generator).to(rows.device)  # drawn on the CPU: the same on any device
+    kept = draws < probabilities
     return (rows * kept / probabilities).reshape(tau.shape)
 
 
@@ -117,5 +118,6 @@ register(
         defaults={"lam": 1.0, "density": 0.5, "epsilon": 0.15, "seed": 0},
         grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=della,
+        entrywise=True,
     )
 )

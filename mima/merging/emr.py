@@ -44,7 +44,7 @@ def rescalers(task_means: torch.Tensor, masked_means: torch.Tensor) -> torch.Ten
 
 def emr_index(models, base) -> dict[str, torch.Tensor]:
     tasks = len(models)
-    task_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|tau_t|
+    task_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|tau_t| (on the CPU)
     masked_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|M_t * tau_uni|
     index: dict[str, torch.Tensor] = {}
     for key, anchor, vectors in task_vectors_by_key(models, base):
@@ -55,8 +55,8 @@ def emr_index(models, base) -> dict[str, torch.Tensor]:
         _, unified, masks = elect(taus)
         index[f"unified/{key}"] = unified
         flat = taus.reshape(tasks, -1)
-        task_means += flat.abs().mean(dim=1).double()
-        masked_means += (unified.reshape(1, -1) * masks.reshape(tasks, -1)).abs().mean(dim=1).double()
+        task_means += flat.abs().mean(dim=1).double().to("cpu")
+        masked_means += (unified.reshape(1, -1) * masks.reshape(tasks, -1)).abs().mean(dim=1).double().to("cpu")
         for task, mask in enumerate(masks):
             index[f"task{task}/{key}/mask"] = pack(mask)
     for task, value in enumerate(rescalers(task_means, masked_means)):

@@ -52,5 +52,6 @@ register(
         defaults={"lam": 0.5},
         grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))},
         scaled_fn=magmax,
+        entrywise=True,
     )
 )

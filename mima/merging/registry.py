@@ -21,6 +21,15 @@ Every entry point (MergeMethod.stream, merge, sweep, and `mima merge` through th
 the method's `check`: theta_0 when needed, enough task models, `min_tasks` and `matrix_keys` that fit
 the inputs, NaN/Inf refused unless allowed; Python and the command line refuse alike, in one line.
 
+Every entry point also takes a `device` (a torch.device; default: the method's own, set by
+`on(device)`, else none): the inputs are then read onto that device one tensor at a time (the file
+engine's groups of one key, or the in-memory dicts'), the strategy computes there, and the merged
+tensors come back to the CPU. On the CPU this is the same code on the same tensors, so the result is
+bit for bit the one without a device; on a GPU it equals the CPU's within float32 rounding (matmuls
+in full precision, random masks drawn on the CPU, SVD signs fixed where U or V is stored alone:
+mima.core.linalg).
+Data-dependent strategies ignore it: their work is forward passes on the task pool's device.
+
 Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type; in
 mima.merging.catalogue, which the command line reads without importing torch), and a strategy lists
 the ones it takes with their defaults (the catalogue lists their names too; `register` checks both agree). A strategy whose hyperparameters depend
@@ -31,6 +40,7 @@ hyperparameter the setting does not use is an error, never silently ignored.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -41,7 +51,15 @@ import torch
 from mima.core.errors import MimaError
 from mima.core.state_dicts import is_mergeable
 from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter, check_method_name  # noqa: F401  (Hyperparameter: re-exported)
-from mima.merging.common import check_matrix_keys, linalg_errors_as_refusals, refusing_linalg_errors, refusing_non_finite
+from mima.merging.common import (
+    check_matrix_keys,
+    ieee_matmuls,
+    linalg_errors_as_refusals,
+    on_device,
+    on_host,
+    refusing_linalg_errors,
+    refusing_non_finite,
+)
 
 TensorMap = Mapping[str, torch.Tensor]
 StateDict = dict[str, torch.Tensor]
@@ -101,6 +119,21 @@ class MergeMethod:
     validate: Callable[[Mapping[str, object], Callable[[str], str]], None] | None = None
     # Fewer task models is an error, never a quiet merge: a merge of one model is that model.
     min_models: int = 2
+    # Entry by entry: no matrix product, decomposition or float reduction whose rounding follows torch's
+    # thread count, so the result is the same bytes on any number of threads (a test checks each); the
+    # file engine then computes on one core fewer and leaves that core to its reader.
+    entrywise: bool = False
+    # Where the entry points compute when they are given no device (see `on`); None: where the inputs are.
+    device: torch.device | None = None
+
+    def on(self, device: torch.device | str | None) -> MergeMethod:
+        """This method computing on `device` wherever it is not given one: in merge, sweep, stream and
+        the file engine, and so in code that is handed the method (selection, evaluation)."""
+        return dataclasses.replace(self, device=None if device is None else torch.device(device))
+
+    def target(self, device: torch.device | str | None) -> torch.device | None:
+        """The device an entry point computes on: the one it was given, else the method's own."""
+        return torch.device(device) if device is not None else self.device
 
     @property
     def needs_data(self) -> bool:
@@ -144,7 +177,7 @@ class MergeMethod:
         return {name: value for name, value in values.items() if name in used}
 
     def check(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
-              **given) -> CheckedInputs:
+              device: torch.device | None = None, **given) -> CheckedInputs:
         """Refuse, before any work, the inputs and hyperparameters this method cannot merge; every
         entry point (stream, merge, sweep, `mima merge`) runs it, so Python and the command line
         refuse the same inputs with the same one-line message.
@@ -153,7 +186,8 @@ class MergeMethod:
         it; at least `min_models` task models, and no more `min_tasks` than models; a `matrix_keys`
         pattern given that selects no 2-D floating tensor (read from the headers of lazy inputs),
         which would quietly make a low-rank merge an average. NaN or Inf weights are refused as
-        each tensor is read, naming the input and key, unless `allow_non_finite`.
+        each tensor is read, naming the input and key, unless `allow_non_finite`. With a `device`, the
+        inputs handed on are read onto it (the check of each tensor then runs there).
         """
         values = self.hyperparameters(given)
         if self.needs_base and base is None:
@@ -167,27 +201,33 @@ class MergeMethod:
                             f"got {values['min_tasks']} (each entry can be chosen by at most {count} tasks)")
         if "matrix_keys" in given:
             check_matrix_keys(self.name, models[0], given["matrix_keys"])
-        if allow_non_finite:
-            return CheckedInputs(list(models), base, values)
-        return CheckedInputs(
-            [refusing_non_finite(model, input_name(model, f"models[{index}]")) for index, model in enumerate(models)],
-            refusing_non_finite(base, input_name(base, "base")) if base is not None else None,
-            values,
-        )
+
+        def handed_on(model: TensorMap | None, name: str) -> TensorMap | None:
+            if model is None:
+                return None
+            moved = on_device(model, device)
+            return moved if allow_non_finite else refusing_non_finite(moved, input_name(model, name))
+
+        return CheckedInputs([handed_on(model, f"models[{index}]") for index, model in enumerate(models)],
+                             handed_on(base, "base"), values)
 
     def refusals(self, allow_non_finite: bool):
         """Around a merge: with `allow_non_finite`, a decomposition failing on NaN/Inf is one line."""
         return linalg_errors_as_refusals(self.name) if allow_non_finite else contextlib.nullcontext()
 
     def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
-               **given) -> Iterator[Item]:
-        """The merged model, one (key, tensor) at a time (data-free strategies); checked first."""
+               device: torch.device | str | None = None, **given) -> Iterator[Item]:
+        """The merged model, one (key, tensor) at a time (data-free strategies); checked first. With a
+        device (or the method's own), computed there and each tensor handed back on the CPU."""
         if self.per_task:
             raise MimaError(f"merge method '{self.name}' keeps one model per task; use its index and reconstruct")
         if self.needs_data:
             raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        checked = self.check(models, base, allow_non_finite, **given)
+        target = self.target(device)
+        checked = self.check(models, base, allow_non_finite, target, **given)
         items = self.run(checked.models, checked.base, checked.values)
+        if target is not None:
+            items = ((key, tensor.to("cpu")) for key, tensor in computed_on(target, items))
         return refusing_linalg_errors(self.name, items) if allow_non_finite else items
 
     def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
@@ -203,36 +243,47 @@ class MergeMethod:
         )
 
     def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
-              **given) -> MergeOutput:
+              device: torch.device | str | None = None, **given) -> MergeOutput:
         """The merged model (for per-task methods: their index) with the strategy's notes; checked first.
 
         `pool` (a task pool, see mima.merging.pool.Pool) is required by data-dependent strategies
-        and ignored by the others, whose notes are empty.
+        and ignored by the others, whose notes are empty. `device` (or the method's own): where a
+        data-free or per-task strategy computes, the result coming back on the CPU; data-dependent
+        strategies compute where their inputs and the pool are.
         """
         if not self.per_task and not self.needs_data:
-            return MergeOutput(dict(self.stream(models, base, allow_non_finite, **given)))
-        checked = self.check(models, base, allow_non_finite, **given)
+            return MergeOutput(dict(self.stream(models, base, allow_non_finite, device, **given)))
+        target = self.target(device) if self.per_task else None
+        checked = self.check(models, base, allow_non_finite, target, **given)
         if self.needs_data and pool is None:
             raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        with self.refusals(allow_non_finite):
+        with self.refusals(allow_non_finite), ieee_matmuls(target):
             if self.per_task:
-                return MergeOutput(self.index_fn(checked.models, checked.base, **checked.values))
+                index = self.index_fn(checked.models, checked.base, **checked.values)
+                return MergeOutput(index if target is None else on_host(index))
             output = self.data_fn(checked.models, checked.base, pool, **checked.values)
         if not isinstance(output, MergeOutput):
             raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
         return output
 
     def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None,
-                 allow_non_finite: bool = False, **given) -> StateDict:
+                 allow_non_finite: bool = False, device: torch.device | str | None = None, **given) -> StateDict:
         """The merged model as a state dict (for per-task methods: their index); see `merge` for the notes."""
-        return self.merge(models, base, pool, allow_non_finite, **given).state
+        return self.merge(models, base, pool, allow_non_finite, device, **given).state
 
-    def sweep(self, models, base, settings: Mapping[str, Sequence],
-              allow_non_finite: bool = False) -> Iterator[tuple[dict, StateDict, StateDict]]:
-        """(setting, anchor, direction) for every combination of structural values, for selection."""
-        checked = self.check(models, base, allow_non_finite)
+    def sweep(self, models, base, settings: Mapping[str, Sequence], allow_non_finite: bool = False,
+              device: torch.device | str | None = None) -> Iterator[tuple[dict, StateDict, StateDict]]:
+        """(setting, anchor, direction) for every combination of structural values, for selection;
+        computed on `device` (or the method's own) and handed back on the CPU."""
+        target = self.target(device)
+        checked = self.check(models, base, allow_non_finite, target)
         with self.refusals(allow_non_finite):
-            yield from self._sweep(checked.models, checked.base, settings)
+            swept = self._sweep(checked.models, checked.base, settings)
+            if target is None:
+                yield from swept
+                return
+            for setting, anchor, direction in computed_on(target, swept):
+                yield setting, on_host(anchor), on_host(direction)
 
     def _sweep(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
         fixed = {k: v for k, v in self.defaults.items() if k != "lam" and k not in settings}
@@ -242,19 +293,32 @@ class MergeMethod:
         for values in itertools.product(*settings.values()):
             setting = {**fixed, **dict(zip(settings, values))}
             self.hyperparameters({**setting, "lam": self.defaults["lam"]})
-            anchor, direction = {}, {}
+            anchor, direction = {}, {}  # kept in host memory, whatever device computes them
             for key, anchor_tensor, direction_tensor in self.scaled_fn(models, base, **setting):
-                anchor[key] = anchor_tensor
+                anchor[key] = anchor_tensor.to("cpu")
                 if direction_tensor is not None:
-                    direction[key] = direction_tensor
+                    direction[key] = direction_tensor.to("cpu")
             yield dict(zip(settings, values)), anchor, direction
+
+
+def computed_on(device: torch.device, items: Iterator) -> Iterator:
+    """A merge's items, each computed with full-precision matmuls on `device` (and only while it is
+    computed: the caller's own work between items keeps its settings)."""
+    iterator = iter(items)
+    while True:
+        with ieee_matmuls(device):
+            item = next(iterator, None)
+        if item is None:
+            return
+        yield item
 
 
 def combine_tensor(anchor: torch.Tensor, direction: torch.Tensor | None, lam: float) -> torch.Tensor:
     """anchor + lam * direction in the anchor's dtype (computed in float32 or wider)."""
     if direction is None:
         return anchor.clone()
-    return (anchor.to(direction.dtype) + lam * direction).to(anchor.dtype)
+    # lam * direction + anchor, added in place into the product (one allocation, the same rounding)
+    return (lam * direction).add_(anchor.to(direction.dtype)).to(anchor.dtype)
 
 
 def combine(anchor: TensorMap, direction: TensorMap, lam: float) -> StateDict:

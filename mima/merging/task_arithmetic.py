@@ -25,5 +25,6 @@ register(
         defaults={"lam": 0.4},
         grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
         scaled_fn=task_arithmetic,
+        entrywise=True,
     )
 )

@@ -36,7 +36,8 @@ def kth_index(count: int, k: float) -> int:
 
 
 def kth_smallest_inplace(values: torch.Tensor, kth: int) -> float:
-    """The kth smallest (1-based) of a contiguous float32 CPU tensor, reordering it in place."""
+    """The kth smallest (1-based) of a contiguous float32 CPU tensor, reordering it in place (numpy's
+    partition: exact, so the threshold is the same whichever device computed the magnitudes)."""
     array = values.numpy()
     array.partition(kth - 1)
     return float(array[kth - 1])
@@ -47,7 +48,7 @@ def magnitude_threshold(magnitudes: torch.Tensor, k: float) -> float:
     kth = kth_index(magnitudes.numel(), k)
     if kth < 1:
         return 0.0
-    return kth_smallest_inplace(magnitudes.reshape(-1).float().contiguous().clone(), kth)
+    return kth_smallest_inplace(magnitudes.reshape(-1).float().to("cpu").contiguous().clone(), kth)
 
 
 def _task_vector(model, base, key: str) -> torch.Tensor:
@@ -79,7 +80,7 @@ def ties_vectors(models, base, k: float, trim: TrimScope, transform=None):
             if kth < 1:
                 thresholds.append(0.0)
                 continue
-            magnitudes = torch.empty(sum(sizes), dtype=torch.float32)
+            magnitudes = torch.empty(sum(sizes), dtype=torch.float32)  # on the CPU, for numpy's partition
             offset = 0
             for key, size in zip(keys, sizes):
                 magnitudes[offset : offset + size] = task_vector(index, model, key).abs().reshape(-1)
@@ -134,5 +135,6 @@ register(
         defaults={"lam": 1.0, "k": 20.0, "trim": "global"},
         grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=ties,
+        entrywise=True,
     )
 )

@@ -22,5 +22,6 @@ register(
         summary="element-wise mean of the fine-tuned models",
         needs_base=False,
         stream_fn=uniform,
+        entrywise=True,
     )
 )

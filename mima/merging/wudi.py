@@ -40,7 +40,7 @@ from mima.merging.registry import MergeMethod, register
 def wudi_gradient_terms(taus: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) of dL/dX = 2 (X A - B): A = sum_t w_t tau_t^T tau_t, B = sum_t w_t tau_t tau_t^T tau_t."""
     columns = taus[0].shape[1]
-    gram_sum = torch.zeros(columns, columns, dtype=torch.float32)
+    gram_sum = torch.zeros(columns, columns, dtype=torch.float32, device=taus[0].device)
     target = torch.zeros_like(taus[0], dtype=torch.float32)
     for tau in taus:
         squared_norm = float(tau.pow(2).sum())

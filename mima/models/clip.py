@@ -9,6 +9,10 @@ Accepted sources (`name` / `pretrained`):
   embedded:tiny-digits             mima's own tiny CLIP, pretrained on first use and cached
 Small test models are written as local-dir folders and loaded the same way as downloaded ones.
 
+The MLP activation is never guessed (`model.quick_gelu`, see `resolve_quick_gelu`): OpenAI's CLIP
+weights were trained with QuickGELU, open_clip builds most architectures with GELU, and a model
+built with the wrong one loads without complaint and is silently a different network.
+
 A tag's weights are looked up in the local cache first, on disk only. A machine without network
 (HF_HUB_OFFLINE=1 or MIMA_OFFLINE=1) that lacks them fails at once with one line naming
 `mima prefetch`, as does a failed download; this runs in MimaModule.__init__, before any process
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Union
 
 import open_clip
 from open_clip.transform import PreprocessCfg, image_transform_v2
@@ -32,10 +37,17 @@ import torch
 from torch import nn
 
 from mima.core.errors import MimaError
+from mima.core.files import read_json, write_json_atomic
 
 EMBEDDED_PREFIX = "embedded:"
 LOCAL_DIR_PREFIX = "local-dir:"
 RANDOM_WEIGHTS = ("none", "random")
+QUICK_GELU_OPTION = "model.quick_gelu"
+QuickGelu = Union[bool, Literal["auto"]]
+# Written beside a weight file by `mima prefetch` (WEIGHTS + this suffix): the architecture, the tag
+# and the activation the weights were trained with, so that a copied file still says which it needs.
+WEIGHTS_RECORD_SUFFIX = ".open_clip.json"
+QUICKGELU_NAME_SUFFIX = "-quickgelu"  # open_clip's architectures built with QuickGELU (ViT-B-32-quickgelu, ...)
 # Set to 1/true/yes/on, either one means "no network here": a missing weight file fails at once.
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "MIMA_OFFLINE")
 
@@ -79,35 +91,104 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MIMA_CACHE_DIR", Path.home() / ".cache" / "mima"))
 
 
-def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | None = None) -> LoadedClip:
-    """Load an open_clip CLIP (see the module docstring for accepted sources)."""
+def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | None = None,
+              quick_gelu: QuickGelu = "auto") -> LoadedClip:
+    """Load an open_clip CLIP (see the module docstring for accepted sources); `quick_gelu` is the
+    run's `model.quick_gelu` (resolve_quick_gelu)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or (pretrained or "").lower() in RANDOM_WEIGHTS:
         pretrained = None  # these sources carry their own weights; "none" asks for random ones
+    activation = resolve_quick_gelu(name, pretrained, quick_gelu)
     if name.startswith(EMBEDDED_PREFIX):
         from mima.models.embedded import ensure_embedded_model
 
         folder = ensure_embedded_model(name[len(EMBEDDED_PREFIX) :], cache)
-        return _create(f"{LOCAL_DIR_PREFIX}{folder}", None, source=name)
+        return _create(f"{LOCAL_DIR_PREFIX}{folder}", None, source=name, quick_gelu=activation)
     if name.startswith(LOCAL_DIR_PREFIX):
         folder = Path(name[len(LOCAL_DIR_PREFIX) :])
         if not (folder / "open_clip_config.json").is_file():
             raise MimaError(f"model.clip: {folder} has no open_clip_config.json (expected an open_clip model folder)")
-        return _create(name, None, source=name)
-    if name not in open_clip.list_models():
-        raise MimaError(
-            f"model.clip: unknown open_clip architecture '{name}' "
-            f"(use e.g. ViT-B-32, local-dir:PATH or embedded:tiny-digits)"
-        )
+        return _create(name, None, source=name, quick_gelu=activation)
+    check_architecture(name)
     if pretrained and not os.path.isfile(pretrained):
-        check_pretrained_tag(name, pretrained)
         path, _ = fetch_pretrained(name, pretrained)  # in the cache now, or a one-line MimaError naming `mima prefetch`
         # The tag, not the file: open_clip takes the tag's preprocessing settings from its pretrained
         # config. With the file cached the hub need not be asked for a newer revision; on a compute
         # node without network that request would only wait for its timeout.
         with _hub_offline():
-            return _create(name, pretrained, source=f"{name}:{pretrained}", weights=path)
-    return _create(name, pretrained, source=f"{name}:{pretrained}")
+            return _create(name, pretrained, source=f"{name}:{pretrained}", weights=path, quick_gelu=activation)
+    return _create(name, pretrained, source=f"{name}:{pretrained}", quick_gelu=activation)
+
+
+def check_architecture(name: str) -> None:
+    """A one-line MimaError unless `name` is one of open_clip's architectures."""
+    if name not in open_clip.list_models():
+        raise MimaError(
+            f"model.clip: unknown open_clip architecture '{name}' "
+            f"(use e.g. ViT-B-32, local-dir:PATH or embedded:tiny-digits)"
+        )
+
+
+def resolve_quick_gelu(name: str, pretrained: str | None, setting: QuickGelu = "auto") -> bool | None:
+    """Whether the model is built with QuickGELU: `setting` when it is true or false; with "auto",
+    what the weights say. None: the model's own configuration decides (a local-dir or embedded
+    folder's open_clip_config.json, or random weights of an architecture).
+
+    "auto" for an architecture with
+      - a pretrained tag: the tag's pretrained config (OpenAI's tags say QuickGELU);
+      - a weight file: the record `mima prefetch` wrote beside it (WEIGHTS_RECORD_SUFFIX), or a
+        `-quickgelu` architecture name; otherwise nothing says, and the run is refused in one line
+        naming model.quick_gelu (a file's tensors are the same for both activations).
+    """
+    if setting is True or setting is False:
+        return setting
+    if setting != "auto":
+        raise MimaError(f"{QUICK_GELU_OPTION}: '{setting}', expected auto, true or false")
+    if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or not pretrained or pretrained.lower() in RANDOM_WEIGHTS:
+        return None
+    if not os.path.isfile(pretrained):
+        # open_clip 3 records the tag's activation in its pretrained config, but builds ViT-B-32 with
+        # GELU and only warns of the mismatch: it has to be asked for
+        check_architecture(name)
+        check_pretrained_tag(name, pretrained)
+        return bool(open_clip.get_pretrained_cfg(name, pretrained).get("quick_gelu", False))
+    recorded = read_weights_record(Path(pretrained))
+    if recorded is not None:
+        return recorded
+    if name.endswith(QUICKGELU_NAME_SUFFIX):
+        return True
+    raise MimaError(
+        f"{QUICK_GELU_OPTION}: auto cannot tell which activation {pretrained} was trained with (no "
+        f"{Path(pretrained).name}{WEIGHTS_RECORD_SUFFIX} beside it, as `mima prefetch --weights-dir` writes, and "
+        f"'{name}' is not a {QUICKGELU_NAME_SUFFIX} architecture); set --{QUICK_GELU_OPTION} true for OpenAI's CLIP "
+        "weights, false for open_clip's LAION / DataComp ones"
+    )
+
+
+def weights_record_file(weights: Path) -> Path:
+    """Where the record of a weight file's architecture, tag and activation lives: beside it."""
+    return weights.with_name(weights.name + WEIGHTS_RECORD_SUFFIX)
+
+
+def read_weights_record(weights: Path) -> bool | None:
+    """The QuickGELU flag recorded beside a weight file, None when there is no record; a record that
+    is not what `write_weights_record` writes is one line naming it."""
+    record_file = weights_record_file(weights)
+    if not record_file.is_file():
+        return None
+    record = read_json(record_file)
+    value = record.get("quick_gelu")
+    if not isinstance(value, bool):
+        raise MimaError(f"{record_file}: 'quick_gelu' must be true or false, found {value!r}")
+    return value
+
+
+def write_weights_record(weights: Path, name: str, tag: str, quick_gelu: bool) -> Path:
+    """Record beside `weights` which architecture and tag they are and the activation they need."""
+    record_file = weights_record_file(weights)
+    write_json_atomic(record_file, {"architecture": name, "pretrained": tag, "quick_gelu": quick_gelu,
+                                    "written_by": "mima prefetch"})
+    return record_file
 
 
 def check_pretrained_tag(name: str, tag: str) -> None:
@@ -215,9 +296,13 @@ def _hub_offline() -> Iterator[None]:
         constants.HF_HUB_OFFLINE = before
 
 
-def _create(name: str, pretrained: str | None, source: str, weights: str | None = None) -> LoadedClip:
+def _create(name: str, pretrained: str | None, source: str, weights: str | None = None,
+            quick_gelu: bool | None = None) -> LoadedClip:
+    # None leaves the architecture's (or the folder's) own setting. True through open_clip's own
+    # switch; False as a model keyword, which open_clip applies to the model config last.
+    activation = {} if quick_gelu is None else {"force_quick_gelu": True} if quick_gelu else {"quick_gelu": False}
     try:
-        model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=needs_quick_gelu(name, pretrained))
+        model = open_clip.create_model(name, pretrained=pretrained, **activation)
     except (RuntimeError, pickle.UnpicklingError, SafetensorError) as exc:
         # open_clip raises RuntimeError for failed downloads and for weights that do not fit; a damaged
         # weight file (say, a cache copied over incompletely) fails in torch's unpickler or in safetensors.
@@ -226,15 +311,6 @@ def _create(name: str, pretrained: str | None, source: str, weights: str | None 
     tokenizer = open_clip.get_tokenizer(name)
     model.eval()
     return LoadedClip(model=model, tokenizer=tokenizer, source=source)
-
-
-def needs_quick_gelu(name: str, pretrained: str | None) -> bool:
-    """Whether the weights of tag `pretrained` were trained with QuickGELU (OpenAI's CLIP weights
-    were). open_clip 3 records it in the tag's pretrained config but builds `ViT-B-32` with GELU
-    and only warns of the mismatch, so it has to be asked for."""
-    if not pretrained or os.path.isfile(pretrained):
-        return False
-    return bool(open_clip.get_pretrained_cfg(name, pretrained).get("quick_gelu", False))
 
 
 def text_tower_fingerprint(model: nn.Module) -> str:

@@ -8,6 +8,8 @@ a training step holds per example, in the precision it runs in and with gradient
 configured (`mima plan` scales it to the batch); the rest does not grow with the batch (the weights'
 low-precision copies under mixed precision). Tensors saved twice as views of one storage are counted
 twice (meta tensors have no addresses to tell them apart), so the figures err on the high side.
+The same pass counts the forward FLOPs per example (torch.utils.flop_counter, from shapes alone),
+from which the plan estimates step times.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import open_clip
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from mima.core.errors import MimaError
 from mima.models.clip import EMBEDDED_PREFIX, LOCAL_DIR_PREFIX
@@ -42,6 +45,7 @@ class ModelFootprint:
     model_bytes: int  # the whole CLIP (image and text towers) as loaded before the heads are built
     activation_bytes_per_example: int  # kept for the backward pass, per training example
     activation_fixed_bytes: int  # kept for the backward pass whatever the batch (e.g. weights cast to bf16)
+    forward_flops_per_example: int  # of the image tower's forward pass (a training step: about three times that)
     image_size: int
     embed_dim: int
 
@@ -87,15 +91,27 @@ def measure_footprint(clip: str, precision: str | None = "32-true", grad_checkpo
         file_bytes=safetensors_file_bytes(state),
         model_bytes=sum(t.numel() * t.element_size() for t in model.state_dict().values()),
     )
+    flops = _forward_flops(encoder, image_size)
     per_example, fixed = _activation_bytes(encoder, image_size, precision, grad_checkpointing)
     return ModelFootprint(
         source=clip,
         **sizes,
         activation_bytes_per_example=per_example,
         activation_fixed_bytes=fixed,
+        forward_flops_per_example=flops,
         image_size=image_size,
         embed_dim=int(config["embed_dim"]),
     )
+
+
+def _forward_flops(encoder: torch.nn.Module, image_size: int) -> int:
+    """FLOPs of one example's forward pass through the tower (meta tensors: shapes only), counted
+    over a batch of two (BatchNorm in training mode needs more than one example)."""
+    batch = TRACE_BATCHES[0]
+    images = torch.empty(batch, 3, image_size, image_size, device="meta")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        encoder(images)
+    return int(counter.get_total_flops()) // batch
 
 
 def _activation_bytes(encoder: torch.nn.Module, image_size: int, precision: str | None,

@@ -3,9 +3,10 @@
 Jobs run one at a time in the order they were queued, so a process's state file, queued after the
 weight files it refers to, is never on disk before them. Each job writes through
 mima.core.files.atomic_path (temporary file, fsync, rename): a kill during a write leaves the
-previous file, or no file, never a partial one. Callers hand over tensors nobody modifies any more
-(PhaseState's CPU tensors, or copies): the thread writes them as they are, without a copy of its
-own. A job may carry a `done` callback, run on this thread once its file is in place (MimaCheckpoint
+previous file, or no file, never a partial one. Callers hand over tensors nobody modifies until
+the job is done (PhaseState's host buffers are refilled only after `wait_for_job` says so, see
+mima.training.phase_state.HostBuffers; or copies): the thread writes them as they are, without a
+copy of its own. A job may carry a `done` callback, run on this thread once its file is in place (MimaCheckpoint
 marks a state durable with it). A failed write is raised in the training process at the next
 `submit`, `wait_for` or `flush`.
 

@@ -37,6 +37,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_snapshot, flatten_moments, reference,
                                              references, state_writer)
 from mima.training.checkpoint_retention import Commitments, Retention, StateRecord
-from mima.training.phase_state import PhaseState, StepWatch
+from mima.training.phase_state import BufferName, PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
 
 
@@ -278,17 +279,17 @@ class MimaCheckpoint(Checkpoint):
         leader, last = layout.is_leader(rank), plan.iterations - 1
         state = checkpoint["mima"]["phase_state"]
         avg_file = self.files.average(phases.avg_phase)
-        self._ensure(avg_file, trainer.is_global_zero, lambda: state_writer(phases.avg))
+        self._ensure(avg_file, trainer.is_global_zero, ("average", 0), phases.avg)
         state["avg"] = reference(self.files, avg_file, "state")
         for slot, weights in phases.segment_ends.items():
             task = plan.tasks[plan.local_tasks[slot]]
             file = self.files.segment(phases.segment_phase, task, phases.segment_phase == last)
-            self._ensure(file, leader, lambda w=weights: state_writer(w))
+            self._ensure(file, leader, ("segment", slot), weights)
             state["segment_ends"][slot] = reference(self.files, file, "state")
         for slot, moments in phases.task_moments.items():
             task = plan.tasks[plan.local_tasks[slot]]
             file = self.files.moments(phases.moments_phase[slot], task)
-            self._ensure(file, leader, lambda m=moments: state_writer(flatten_moments(m)))
+            self._ensure(file, leader, ("moments", slot), flatten_moments(moments))
             state["task_moments"][slot] = reference(self.files, file, "moments")
         boundary = phases.boundary(plan, trainer.global_step)
         if boundary is None:
@@ -304,11 +305,19 @@ class MimaCheckpoint(Checkpoint):
         optimizer["state"] = state["task_moments"][moments_ref] if moments_ref is not None else {}
         return True
 
-    def _ensure(self, path: Path, responsible: bool, make) -> None:
-        """Queue a file once, on the process responsible for it; the others only refer to it."""
+    def _ensure(self, path: Path, responsible: bool, buffer: BufferName, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Queue a file of PhaseState tensors once, on the process responsible for it; the others only
+        refer to it. The writer writes host tensors as they are (device ones go through host buffer
+        `buffer` first: pinned, a non-blocking copy), after their copies from the device have arrived;
+        `buffer` is not refilled before the file is written."""
         if not responsible or path in self.queued or path.is_file():
             return
-        self._write(path, make())
+        host = self.phase_state.host
+        if any(value.device.type != "cpu" for value in tensors.values()):
+            tensors = host.fill(buffer, tensors)
+        self._write(path, state_writer(tensors, ready=host.ready()))
+        writer, written = self.writer, self.writer.submitted  # its jobs are done in order: this one is number `written`
+        host.hold(buffer, lambda: writer.wait_for_job(written))
         self.queued.add(path)
 
     def _write(self, path: Path, write, done=None) -> None:

@@ -145,13 +145,22 @@ def cpu_snapshot(obj: object) -> object:
     return obj
 
 
-def state_writer(tensors: Mapping[str, torch.Tensor]) -> Callable[[Path], None]:
-    """A write job for a flat state dict of PhaseState's tensors, which are never changed in place (a
-    phase's average and end weights are replaced, not updated; kept moments are copied into the
-    optimiser, see mima.training.sync): CPU tensors are written as they are, with no second copy on
-    the training thread; a device tensor is brought to the CPU now (the one copy there must be)."""
+def state_writer(tensors: Mapping[str, torch.Tensor],
+                 ready: Callable[[], None] | None = None) -> Callable[[Path], None]:
+    """A write job for a flat state dict of PhaseState's tensors, which are never changed in place while
+    a write of them is pending (a phase's average is replaced, not updated; the host buffers of end
+    weights and kept moments are refilled only once their write is done, see
+    mima.training.phase_state.HostBuffers): host tensors are written as they are, with no second copy
+    on the training thread, once `ready()` (run on the writer's thread) says their copies from the
+    device have arrived; a device tensor is brought to the CPU now."""
     on_cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
-    return lambda tmp: save_file(on_cpu, str(tmp))
+
+    def write(tmp: Path) -> None:
+        if ready is not None:
+            ready()
+        save_file(on_cpu, str(tmp))
+
+    return write
 
 
 def saved_states(run_dir: Path, rank: int) -> list[Path]:

@@ -59,10 +59,10 @@ class MimaModule(L.LightningModule):
         self.hparams.update(asdict(settings))
         clip, pretrained, cache_dir = settings.clip, settings.pretrained, settings.cache_dir
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-        loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir)
+        loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir, quick_gelu=settings.quick_gelu)
         self.encoder = loaded.encoder
-        if settings.grad_checkpointing:
-            _enable_grad_checkpointing(self.encoder, clip)
+        if settings.grad_checkpointing is True:  # "auto": mima fit asks once its plan has decided
+            self.use_grad_checkpointing()
         self.image_size = loaded.image_size
         self.preprocess = loaded.preprocess  # evaluation transform: val, test, zero-shot scoring, linear probes
         self.preprocess_train = loaded.preprocess_train  # training transform (RandomResizedCrop, as task_vectors)
@@ -108,6 +108,17 @@ class MimaModule(L.LightningModule):
         self.encoder.requires_grad_(True)
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
         self.train()
+
+    def on_fit_start(self) -> None:
+        # Each sync copies theta_0's trained tensors to the device for the cosine diagnostics: from
+        # page-locked memory that is one DMA transfer, from pageable memory a staged copy.
+        if self.device.type == "cuda":
+            self.theta_0 = {key: value.pin_memory() for key, value in self.theta_0.items()}
+
+    def use_grad_checkpointing(self) -> None:
+        """Recompute the encoder's activations in the backward pass (model.grad_checkpointing: true,
+        or "auto" where `mima fit`'s plan chose it, before training starts)."""
+        _enable_grad_checkpointing(self.encoder, self.settings.clip)
 
     def _task_heads(self, specs) -> dict[str, torch.Tensor]:
         loaded = self._text.value

@@ -7,6 +7,10 @@ pending (a stop came at a sync, before it ran). `mima fit` makes one per process
 the two callbacks that need it: MimaSyncCallback changes it, MimaCheckpoint only serialises and
 restores it. Neither callback reads the other.
 
+The end weights and kept moments live in host memory, in `HostBuffers`: one buffer per (kind,
+slot), allocated in the first phase and refilled at every later segment end (pinned when the
+tensors come from a CUDA device, so the copy is asynchronous), never a new allocation per segment.
+
 `StepWatch` tells a callback whether the batch that just ended also ended an optimiser step (with
 `trainer.accumulate_grad_batches` > 1 most batches only accumulate gradients); each callback keeps
 its own, from the public step counter.
@@ -14,14 +18,143 @@ its own, from the public step counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from mima.core.plan import PhasePlan
+from mima.training.checkpoint_format import flatten_moments, unflatten_moments
 
 StateDict = dict[str, torch.Tensor]
 Moments = dict[int, dict]  # an optimiser's per-parameter state: {param: {"step", "exp_avg", "exp_avg_sq"}}
+BufferName = tuple[str, int]  # (what it holds: "segment", "moments", ..., slot or task)
+
+
+PINNED_ALIGNMENT = 512  # bytes: where each tensor carved from a page-locked block starts
+LARGEST_BLOCK = 256 * 2**20  # bytes: larger buffers take several blocks (a larger tensor, one of its own)
+
+
+def _power_of_two_at_least(size: int) -> int:
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def _aligned(size: int) -> int:
+    return -(-size // PINNED_ALIGNMENT) * PINNED_ALIGNMENT
+
+
+class HostArena:
+    """Host tensors carved from large blocks. torch's page-locked memory allocator rounds every
+    request up to a power of two (a 9.4 MB weight matrix takes 16 MB, locked in RAM); here blocks
+    are asked for in powers of two, at most `largest_block` unless one tensor needs more, sized
+    for the buffer being filled, and filled tensor after tensor: the memory lost is what is left at
+    the end of each block (less than one tensor) and of the newest one. `pinned=False` (ordinary
+    memory) for tests of the carving on a machine without a GPU."""
+
+    def __init__(self, pinned: bool = True, largest_block: int = LARGEST_BLOCK) -> None:
+        self.pinned = pinned
+        self.largest_block = largest_block
+        self.block: torch.Tensor | None = None  # uint8
+        self.used = 0  # bytes of `block` given out
+        self.blocks = 0  # blocks allocated so far
+        self.reserved = 0  # their bytes
+
+    def tensor(self, shape: torch.Size, dtype: torch.dtype, wanted: int = 0) -> torch.Tensor:
+        """An uninitialised tensor; `wanted`: the bytes this one and the ones about to follow need
+        (`space_for`), for the size of a new block if one is needed."""
+        size = shape.numel() * dtype.itemsize
+        if self.block is None or self.used + size > self.block.numel():
+            block_size = _power_of_two_at_least(max(size, min(wanted, self.largest_block)))
+            self.block = torch.empty(block_size, dtype=torch.uint8, pin_memory=self.pinned)
+            self.used = 0
+            self.blocks += 1
+            self.reserved += block_size
+        carved = self.block[self.used:self.used + size].view(dtype).view(shape)
+        self.used = _aligned(self.used + size)
+        return carved
+
+    @staticmethod
+    def space_for(tensors: Iterable[torch.Tensor]) -> int:
+        """The bytes `tensor` gives these tensors, alignment included."""
+        return sum(_aligned(value.numel() * value.element_size()) for value in tensors)
+
+
+class HostBuffers:
+    """Host copies of device tensors in buffers allocated once per name and reused.
+
+    `fill` copies with `non_blocking=True`: from a CUDA device into page-locked memory the copy is
+    queued on the current stream behind the work that produced the tensors, and the host goes on.
+    Everything the device reads from a buffer later (the averaging, a kept task's moments going back
+    into the optimiser) is queued on the same stream, so it sees the copy; the host itself waits
+    only where it reads a buffer (`ready`: the checkpoint writer, the final files).
+
+    The checkpoint writer writes buffers as they are, on its own thread, after the training thread
+    has moved on; a buffer must not be refilled before that write is done. Whoever hands a buffer to
+    such a reader says how to wait for it (`hold`); the next `fill` of that buffer waits first.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[BufferName, StateDict] = {}
+        self.readers: dict[BufferName, Callable[[], None]] = {}  # name -> wait until its pending reader is done
+        self.copied: torch.cuda.Event | None = None  # recorded after the newest copies from a CUDA device
+        self.allocations = 0  # host tensors allocated so far (each buffer's, once)
+        self.page_locked = HostArena()  # where copies of CUDA tensors go
+
+    def fill(self, name: BufferName, tensors: Mapping[str, torch.Tensor]) -> StateDict:
+        """Buffer `name` holding a copy of `tensors` (once its pending reader is done with it)."""
+        reader = self.readers.pop(name, None)
+        if reader is not None:
+            reader()
+        filled, wanted = {}, HostArena.space_for(tensors.values())  # a new pinned block takes the rest of the buffer
+        for key, value in tensors.items():
+            filled[key] = self.stage(name, key, value, wanted)
+            wanted -= HostArena.space_for([value])
+        for device in {value.device for value in tensors.values()}:
+            self.copies_queued(device)
+        return filled
+
+    def stage(self, name: BufferName, key: str, value: torch.Tensor, wanted: int = 0) -> torch.Tensor:
+        """Copy one tensor into entry `key` of buffer `name` (allocated on first use, or when the
+        tensor's shape or dtype changed; `wanted` as in HostArena.tensor); `copies_queued` after the
+        last one from a device. Unlike `fill`, it does not wait for a reader: for buffers only their
+        filler reads."""
+        buffer = self.buffers.setdefault(name, {})
+        target = buffer.get(key)
+        if target is None or target.shape != value.shape or target.dtype != value.dtype:
+            if value.device.type == "cuda":  # page-locked: the copy from the device is asynchronous
+                target = self.page_locked.tensor(value.shape, value.dtype, wanted)
+            else:
+                target = torch.empty(value.shape, dtype=value.dtype)
+            buffer[key] = target
+            self.allocations += 1
+        with torch.no_grad():
+            target.copy_(value, non_blocking=True)
+        return target
+
+    def copies_queued(self, device: torch.device) -> None:
+        """Mark the copies queued so far from `device`, for `ready` (nothing to mark off a GPU)."""
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.copied = event
+
+    def hold(self, name: BufferName, until_read: Callable[[], None]) -> None:
+        """A reader that is not done yet has buffer `name`: `until_read()` returns once it is, and runs
+        before the buffer is filled again."""
+        self.readers[name] = until_read
+
+    def ready(self) -> Callable[[], None]:
+        """A wait (for any thread) until the copies queued so far have reached host memory."""
+        event = self.copied
+        return event.synchronize if event is not None else _nothing_to_wait_for
+
+    def wait(self) -> None:
+        """Wait here until the copies queued so far are in host memory."""
+        self.ready()()
+
+
+def _nothing_to_wait_for() -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,9 +202,9 @@ class StepLosses:
 class PhaseState:
     avg: StateDict = field(default_factory=dict)  # the running phase's start point (on the device)
     avg_phase: int = -1  # `avg` is the average after the sync ending this phase (-1: theta_0)
-    segment_ends: dict[int, StateDict] = field(default_factory=dict)  # slot -> end weights (CPU)
+    segment_ends: dict[int, StateDict] = field(default_factory=dict)  # slot -> end weights (host buffers)
     segment_phase: int = 0  # the phase `segment_ends` belong to
-    task_moments: dict[int, Moments] = field(default_factory=dict)  # slot -> AdamW state (CPU)
+    task_moments: dict[int, Moments] = field(default_factory=dict)  # slot -> AdamW state (host buffers)
     moments_phase: dict[int, int] = field(default_factory=dict)  # slot -> phase whose segment end they are
     loss_sums: dict[int, float] = field(default_factory=dict)  # slot -> summed step losses this phase (settled ones)
     step_losses: StepLosses = field(default_factory=StepLosses)  # on the device, not yet in loss_sums
@@ -79,6 +212,23 @@ class PhaseState:
     pending_sync: bool = False  # stopped at a sync before entering it: run it first on resume
     step_seconds: float | None = None  # this process's median step time (how long its syncs wait; not the weights)
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
+    host: HostBuffers = field(default_factory=HostBuffers)  # the memory segment_ends and task_moments live in
+
+    def keep_segment_end(self, slot: int, phase: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Keep a task slot's end weights of `phase` (copied into the slot's host buffer)."""
+        self.segment_ends[slot] = self.host.fill(("segment", slot), weights)
+        self.segment_phase = phase
+
+    def keep_moments(self, slot: int, phase: int, optimizer_state: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Keep a task slot's optimiser moments at the end of its segment of `phase` (copied into the
+        slot's host buffer, in the optimiser's order)."""
+        self.task_moments[slot] = unflatten_moments(self.host.fill(("moments", slot), flatten_moments(optimizer_state)))
+        self.moments_phase[slot] = phase
+
+    def forget_moments(self, slot: int) -> None:
+        """A task slot has no later segment: nothing of its moments is kept (its buffer stays for reuse)."""
+        self.task_moments.pop(slot, None)
+        self.moments_phase.pop(slot, None)
 
     @property
     def completed_syncs(self) -> int:
@@ -111,8 +261,10 @@ class PhaseState:
 
     def state_dict(self) -> dict:
         """The tensors themselves (no copies): the checkpoint code stores each once as a file and
-        keeps a reference; the phases say which file. A save is a synchronisation point anyway:
-        the pending step losses are settled into `loss_sums` first (and logged later)."""
+        keeps a reference; the phases say which file. The host buffers' copies from a GPU may still
+        be in flight: a reader waits with `host.ready()` first, and tells `host.hold` until when it
+        reads them. A save is a synchronisation point anyway: the pending step losses are settled
+        into `loss_sums` first (and logged later)."""
         self.settle_losses()
         return {
             "avg": self.avg,

@@ -19,6 +19,9 @@ works out:
     metrics.jsonl, logs) and the peak on disk (one generation of moments, mima.training.checkpoint_retention);
   * the sync volume: the end weights each process sends and receives at a sync (all-gather in task
     order, mima.training.averaging).
+  * the defaults it chooses (mima.training.plan_choices): gradient checkpointing, the checkpoint
+    schedule, a warning when the loader cannot feed the GPU, and the lead of SLURM's warning signal,
+    with the step and run time estimated from the traced FLOPs on a GPU.
 The file counts follow MimaCheckpoint's rules (mima.training.checkpoint_callback): a save at every
 task segment end but the process's last one, a segment's end weights written unless a sync follows it
 at once, the phase average and the moments of every phase but the last.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,18 @@ from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout, allowed_world_sizes
 from mima.models.footprint import ModelFootprint, safetensors_file_bytes
 from mima.training.checkpoint_callback import SaveSchedule, capture_rng
+from mima.training.plan_choices import (
+    Choice,
+    StepTiming,
+    as_json,
+    choose_checkpoint_every,
+    choose_grad_checkpointing,
+    loader_warning,
+    signal_lead,
+    step_timing,
+    WRITE_BYTES_PER_S,
+    time_saves,
+)
 
 GIB = 2**30
 MIB = 2**20
@@ -73,6 +88,13 @@ class PlanInputs:
     tensorboard: bool = False
     base_rss_bytes: int = 0  # the RSS of a process with the fit stack imported (measured by the caller)
     device_memory_bytes: int | None = None  # the device's memory, when known: a plan that exceeds it does not fit
+    device_name: str | None = None  # the GPU present here (its peak FLOP/s), None elsewhere
+    accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches per optimiser step
+    grad_checkpointing: bool = False  # as the run will use it (resolved from "auto")
+    reads_images: bool = False  # whether training decodes image files (clip suite, custom folders)
+    data_cache: bool = False
+    # the defaults the plan settled, by option name (plan_choices.Choice), shown with the plan
+    choices: tuple[tuple[str, Choice], ...] = ()
 
 
 @dataclass
@@ -100,6 +122,8 @@ class RunPlan:
     syncs: int
     on_gpu: bool
     device_memory_bytes: int | None
+    timing: dict | None = None  # plan_choices.StepTiming on a GPU (estimates)
+    choices: dict = field(default_factory=dict)  # each chosen default, and the SLURM signal lead
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -165,8 +189,15 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
         host.update(training_host)
     host_per_process = sum(host.values())
 
+    timing = None
+    if on_gpu:  # forward and backward (twice the forward), one more forward where checkpointing recomputes
+        passes = 4 if inputs.grad_checkpointing else 3
+        flops = passes * footprint.forward_flops_per_example * per_process_batch * inputs.accumulate
+        slowest = [max(layout.phase_steps(lengths, phase)) for phase in range(iterations)]
+        timing = step_timing(flops, inputs.device_name, inputs.precision, slowest)
     files = _checkpoint_file_bytes(footprint, tasks, lengths, world)
-    counts = _checkpoint_counts(layout, lengths, SaveSchedule.parse(inputs.checkpoint_every), keep)
+    schedule = SaveSchedule.parse(inputs.checkpoint_every)
+    counts = _checkpoint_counts(layout, lengths, schedule, keep, timing)
     written = {
         "pretrained": files["weights"] + 40,
         "config": CONFIG_BYTES,
@@ -177,9 +208,20 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
     for kind, count in counts.items():
         written[f"checkpoints_{kind}"] = count * files[_FILE_OF_KIND[kind]]
     notes = []
-    schedule = SaveSchedule.parse(inputs.checkpoint_every)
-    if schedule.kind == "seconds":
+    if schedule.kind == "seconds" and timing is None:
         notes.append(f"checkpoint_every {inputs.checkpoint_every}: counted as a save at every sync (the most it can save)")
+    elif schedule.kind == "seconds":
+        notes.append(f"checkpoint_every {inputs.checkpoint_every}: {counts.get('averages', 0)} of {iterations - 1} syncs "
+                     "save, by the estimated run time")
+    # a stop request saves at once: the running task's encoder and moments, the other tasks' segment
+    # ends and kept moments of the phase, and the phase average
+    stop_save = files["inline_state"] + files["weights"] \
+        + (most_tasks - 1) * (files["weights"] + (files["moments"] if keep else 0))
+    lead = signal_lead(stop_save, timing.step_s if timing else None)
+    loader = loader_warning(timing, per_process_batch * inputs.accumulate, inputs.num_workers, inputs.data_cache,
+                            inputs.reads_images)
+    if loader:
+        notes.append(loader)
     peak = _peak_disk(files, counts, layout, len(tasks), keep, written)
     syncs = iterations - 1
     sync_bytes = world * most_tasks * footprint.state_bytes if world > 1 else 0
@@ -195,7 +237,9 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
         checkpoint_file_bytes=files, checkpoint_files=counts,
         bytes_written=sum(written.values()), bytes_written_parts=written, peak_disk_bytes=peak,
         sync_bytes_per_process=sync_bytes, syncs=syncs, on_gpu=on_gpu,
-        device_memory_bytes=inputs.device_memory_bytes, notes=notes,
+        device_memory_bytes=inputs.device_memory_bytes, timing=as_json(t=timing)["t"] if timing else None,
+        choices=as_json(**dict(inputs.choices), slurm_signal=lead) | {"slurm_signal_option": lead.option},
+        notes=notes,
     )
 
 
@@ -228,8 +272,11 @@ def _checkpoint_file_bytes(footprint: ModelFootprint, tasks, lengths, world: int
     return {"weights": weights, "moments": moments_file, "state": state, "inline_state": state + weights + moments_file}
 
 
-def _checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep: bool) -> dict[str, int]:
-    """How many files of each kind MimaCheckpoint writes over a run (module docstring)."""
+def _checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep: bool,
+                       timing: StepTiming | None = None) -> dict[str, int]:
+    """How many files of each kind MimaCheckpoint writes over a run (module docstring); a time
+    schedule saves at the syncs the estimated `timing` reaches after each interval (every sync
+    without an estimate)."""
     world, iterations = layout.world_size, len(lengths[0])
     owned = [len(layout.local_tasks(rank)) for rank in range(world)]
     later = iterations - 1  # phases with a later one: their averages and moments can be needed
@@ -239,6 +286,9 @@ def _checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep
         saves = sum(tasks * iterations - 1 for tasks in owned)
         segments = sum(tasks - 1 for tasks in owned) * later if world <= layout.num_tasks else 0
         saved_syncs, inline = later, 0
+    elif schedule.kind == "seconds" and timing is not None:
+        saved_syncs = time_saves(timing.phase_s, schedule.amount)
+        saves, segments, inline = world * saved_syncs, 0, 0
     elif schedule.kind in ("phases", "seconds"):
         every = int(schedule.amount) if schedule.kind == "phases" else 1
         saved_syncs = sum(1 for phase in range(later) if (phase + 1) % every == 0)
@@ -347,12 +397,13 @@ def plan_tasks(config) -> list[str]:
     return config.datamodule().task_names
 
 
-def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_every: str | int = "segment",
+def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_every: str | int | None = None,
                     device_memory: int | None = None, trainer: dict | None = None,
                     tasks: list[str] | None = None) -> tuple[RunPlan, ModelFootprint, PlanInputs]:
     """The plan of a run config (mima.config.run_config.RunConfig) on `world_size` processes (its
-    `tasks` when known, else read from the config). The interpreter's share of host memory is this
-    process's RSS: call it with the fit stack imported."""
+    `tasks` when known, else read from the config), with the defaults it chooses for the "auto"
+    values of model.grad_checkpointing and `checkpoint_every` (None: auto). The interpreter's share
+    of host memory is this process's RSS: call it with the fit stack imported."""
     from mima.config.model import ModelSettings
     from mima.models.footprint import measure_footprint
 
@@ -362,20 +413,52 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
     joint = settings.mode == "joint"
     lengths = ((settings.steps,) * 1,) if joint else settings.task_lengths(tasks)
     precision = str(trainer.get("precision") or "32-true")
-    accelerator = str(trainer.get("accelerator") or "auto")
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    accelerator = "cpu" if accelerator == "cpu" else "gpu"
-    footprint = measure_footprint(settings.clip, precision, settings.grad_checkpointing)
+    on_gpu = trains_on_gpu(trainer)
+    schedule = choose_checkpoint_every(checkpoint_every, on_gpu)
     inputs = PlanInputs(
         tasks=("joint",) if joint else tuple(tasks), task_lengths=tuple(lengths), world_size=world_size,
         num_nodes=num_nodes, batch_size=int(config.data.batch_size), num_workers=int(config.data.num_workers),
-        precision=precision, accelerator=accelerator, optimizer_state=settings.optimizer_state,
-        checkpoint_every=checkpoint_every, log_every_n_steps=int(trainer.get("log_every_n_steps") or 10),
+        precision=precision, accelerator="gpu" if on_gpu else "cpu", optimizer_state=settings.optimizer_state,
+        checkpoint_every=schedule.value, log_every_n_steps=int(trainer.get("log_every_n_steps") or 10),
         tensorboard=_tensorboard_installed(), base_rss_bytes=resident_bytes(),
-        device_memory_bytes=device_memory if device_memory is not None else present_device_memory(accelerator),
+        device_memory_bytes=device_memory if device_memory is not None else present_device_memory("gpu" if on_gpu else "cpu"),
+        device_name=present_device_name() if on_gpu else None,
+        accumulate=int(trainer.get("accumulate_grad_batches") or 1),
+        reads_images=reads_image_files(config), data_cache=bool(config.data.cache),
+        grad_checkpointing=settings.grad_checkpointing is True,
     )
+    footprint = measure_footprint(settings.clip, precision, inputs.grad_checkpointing)
+    plan = make_plan(inputs, footprint)
+    checkpointing = choose_grad_checkpointing(settings.grad_checkpointing, on_gpu, plan.device_memory_per_process,
+                                              inputs.device_memory_bytes)
+    if checkpointing.value and not inputs.grad_checkpointing:
+        footprint = measure_footprint(settings.clip, precision, True)
+    inputs = replace(inputs, grad_checkpointing=bool(checkpointing.value),
+                     choices=(("grad_checkpointing", checkpointing), ("checkpoint_every", schedule)))
     return make_plan(inputs, footprint), footprint, inputs
+
+
+def trains_on_gpu(trainer) -> bool:
+    """Whether a `trainer:` section (a mapping) trains on a CUDA GPU: accelerator gpu or cuda, or auto
+    with CUDA present."""
+    accelerator = trainer.get("accelerator") or "auto"
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.removesuffix("Accelerator")
+    if name.lower() == "auto":
+        return torch.cuda.is_available()
+    return name.lower() in ("gpu", "cuda")
+
+
+def present_device_name() -> str | None:
+    """The name of the first GPU here, None without one."""
+    try:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except (RuntimeError, AssertionError):  # CUDA reported available but no device answers (no driver)
+        return None
+
+
+def reads_image_files(config) -> bool:
+    """Whether the run's training data are image files decoded per example (the loader's work)."""
+    return config.data.suite == "clip" or bool(config.data.custom_tasks)
 
 
 def _tensorboard_installed() -> bool:
@@ -438,5 +521,30 @@ def format_plan(plan: RunPlan, footprint: ModelFootprint, inputs: PlanInputs) ->
     if plan.world_size > 1:
         lines.append(f"sync: {_size(plan.sync_bytes_per_process)} sent and received per process at each of "
                      f"{plan.syncs} syncs")
+    lines += _choice_lines(plan)
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _choice_lines(plan: RunPlan) -> list[str]:
+    """The defaults the plan chose (or that were given), the timing estimate and the SLURM signal."""
+    def shown(option: str, key: str, spell=str) -> str:
+        choice = plan.choices[key]
+        how = f"auto: {choice['reason']}" if choice["chosen"] else "given"
+        return f"{option} {spell(choice['value'])} ({how})"
+
+    on_off = {True: "on", False: "off"}.get
+    lines = ["defaults: " + "; ".join(
+        shown(option, key, spell) for option, key, spell in (
+            ("model.grad_checkpointing", "grad_checkpointing", on_off), ("--checkpoint_every", "checkpoint_every", str))
+        if key in plan.choices)]
+    timing = plan.timing
+    if timing is not None:
+        lines.append(f"time (estimate): {timing['step_s']:.3f} s per step, {timing['run_s'] / 3600:.2f} h of steps for "
+                     f"the slowest process ({timing['flops_per_step'] / 1e12:.2f} TFLOP per step at "
+                     f"{timing['utilisation']:.0%} of {timing['peak_tflops']:.0f} TFLOP/s, {timing['device']})")
+    signal = plan.choices.get("slurm_signal")
+    if signal is not None:
+        lines.append(f"slurm: a stop saves about {_size(signal['save_bytes'])} per process ({signal['save_s']:.0f} s at "
+                     f"{WRITE_BYTES_PER_S / 1e6:.0f} MB/s): submit with {plan.choices['slurm_signal_option']}")
+    return lines

@@ -1,7 +1,7 @@
 """The MIMA synchronisation callback: ends task segments and phases.
 
 At the end of each task segment (K steps of one task) the callback keeps the task's end weights
-(on the CPU) and restarts the working encoder from the phase's start point `avg` for the next
+(in host memory) and restarts the working encoder from the phase's start point `avg` for the next
 task of the process. At the end of each phase all processes average their tasks' end weights
 (every floating tensor: parameters and buffers such as BatchNorm statistics; see
 mima.training.averaging), load the average, reset the optimiser moments as configured, and log the
@@ -9,12 +9,16 @@ alignment diagnostics of paper 001: pairwise cosines of the task vectors tau_t =
 and of the phase updates delta_t = theta_t - avg_previous, over all tasks. In the last phase each
 task's end weights are the run's final task checkpoint.
 
-Device memory: the working encoder and `avg`; the end weights of the process's own tasks live on
-the CPU until the phase ends, and so do the kept AdamW moments of its tasks that are not running
-(`optimizer_state: keep`; host memory 2 encoder sizes per task of the process). All of this is the
-process's PhaseState (mima.training.phase_state), which `mima fit` hands to this callback and to the
-checkpoint callback: this one changes it, the other stores it (each part tagged with the phase it
-belongs to, as immutable per-(task, phase) files) and restores it on resume.
+Device memory: the working encoder and `avg`; the end weights of the process's own tasks wait in
+host memory until the phase ends, and so do the kept AdamW moments of its tasks (`optimizer_state:
+keep`; 2 encoder sizes per task of the process). Both go into host buffers allocated in the first
+phase and refilled at every later segment end, pinned on a GPU, with non-blocking copies that the
+host waits for only where it reads them (mima.training.phase_state.HostBuffers). A process with one
+task keeps its moments in the optimiser from one segment to the next: the copy is for the
+checkpoint, nothing is loaded back. All of this is the process's PhaseState
+(mima.training.phase_state), which `mima fit` hands to this callback and to the checkpoint
+callback: this one changes it, the other stores it (each part tagged with the phase it belongs to,
+as immutable per-(task, phase) files) and restores it on resume.
 
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
 before entering it they agree through the stop store whether to sync or to stop
@@ -46,24 +50,9 @@ from mima.training.sync_merge import SyncMerge
 StateDict = dict[str, torch.Tensor]
 
 
-def _cpu_copy(state: StateDict) -> StateDict:
-    return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
-
-
-def _moments_to_cpu(optimizer_state: dict) -> dict:
-    """A copy of an optimiser's per-parameter state with every tensor on the CPU: with several
-    tasks per process only the running task's moments stay on the device (2 encoder-sized buffers),
-    the others wait in host memory; `Optimizer.load_state_dict` moves them back."""
-    return {
-        param: {name: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else copy.deepcopy(value)
-                for name, value in moments.items()}
-        for param, moments in optimizer_state.items()
-    }
-
-
 def _moments_for_optimizer(kept: dict, device: torch.device) -> dict:
-    """The optimiser's own copy of a task's kept moments. `Optimizer.load_state_dict` keeps a tensor
-    that is already on the parameters' device (the CPU) and AdamW then updates it in place; the kept
+    """The optimiser's own copy of a task's kept moments, for `Optimizer.load_state_dict`, which keeps
+    a tensor already on the parameters' device (the CPU) and AdamW then updates it in place; the kept
     ones must stay as they were (the checkpoint writer writes them in the background, uncopied). On
     a GPU the copy is the transfer to the device that loading makes anyway."""
     return {
@@ -71,6 +60,31 @@ def _moments_for_optimizer(kept: dict, device: torch.device) -> dict:
                 else copy.deepcopy(value) for name, value in moments.items()}
         for param, moments in kept.items()
     }
+
+
+def _load_moments_in_place(optimizer: torch.optim.Optimizer, kept: dict) -> bool:
+    """Copy a task's kept moments into the optimiser's own state tensors, as `load_state_dict` would
+    load them but with no new tensor (non-blocking: from pinned memory the copies queue behind the
+    work that last used those tensors). False, with nothing changed, when the optimiser does not hold
+    state of the same parameters, names, shapes and dtypes (fresh moments, or restored at a sync)."""
+    params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))  # state_dict's indices
+    if len(optimizer.state) != len(kept):
+        return False
+    targets = []
+    for index, moments in kept.items():
+        own = optimizer.state.get(params[index]) if 0 <= index < len(params) else None
+        if not own or own.keys() != moments.keys():
+            return False
+        for name, value in moments.items():
+            target = own[name]
+            if not (torch.is_tensor(value) and torch.is_tensor(target) and target.shape == value.shape
+                    and target.dtype == value.dtype):
+                return False
+            targets.append((target, value))
+    with torch.no_grad():
+        for target, value in targets:
+            target.copy_(value, non_blocking=True)
+    return True
 
 
 def _logging_due(every: int, step: int) -> bool:
@@ -100,6 +114,8 @@ class MimaSyncCallback(Callback):
         self.watch = StepWatch()
         self.clock = StepClock()  # this process's step time, for how long a sync waits (sync_deadline)
         self.resumed_phase: int | None = None  # the phase a resumed process started in (its sync waits longer)
+        # the slot whose kept moments the optimiser holds as they were kept (at that slot's segment end)
+        self.optimizer_holds: int | None = None
 
     # ----------------------------------------------------------------------------- start
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -203,18 +219,21 @@ class MimaSyncCallback(Callback):
             pl_module.shown_loss = rows[-1].value
 
     def _end_segment(self, trainer, pl_module, position) -> None:
-        plan = pl_module.plan
-        self.phases.segment_ends[position.slot] = _cpu_copy(pl_module.encoder.state_dict())
-        self.phases.segment_phase = position.phase
-        if position.phase == plan.iterations - 1:
-            self.phases.task_moments.pop(position.slot, None)  # the task has no later segment to resume
-            self.phases.moments_phase.pop(position.slot, None)
+        """Keep the task's end weights and (optimizer_state: keep) its moments, copied into the slot's
+        reused host buffers; the optimiser still holds the moments, for the slot's next segment when
+        it comes next (a process with one task)."""
+        plan, phases = pl_module.plan, self.phases
+        last_phase = position.phase == plan.iterations - 1
+        phases.keep_segment_end(position.slot, position.phase, pl_module.encoder.state_dict())
+        self.optimizer_holds = None
+        if last_phase:
+            phases.forget_moments(position.slot)  # the task has no later segment to resume
         elif pl_module.hparams.optimizer_state == "keep":
-            self.phases.task_moments[position.slot] = _moments_to_cpu(trainer.optimizers[0].state_dict()["state"])
-            self.phases.moments_phase[position.slot] = position.phase
-        is_leader = pl_module.layout.is_leader(trainer.global_rank)
-        if position.phase == plan.iterations - 1 and is_leader:
-            self._save_final(trainer, pl_module, position.task_index, self.phases.segment_ends[position.slot])
+            phases.keep_moments(position.slot, position.phase, trainer.optimizers[0].state_dict()["state"])
+            self.optimizer_holds = position.slot
+        if last_phase and pl_module.layout.is_leader(trainer.global_rank):
+            phases.host.wait()  # written from the host buffer, here
+            self._save_final(trainer, pl_module, position.task_index, phases.segment_ends[position.slot])
 
     def _end_phase(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> None:
         plan, layout = pl_module.plan, pl_module.layout
@@ -224,9 +243,12 @@ class MimaSyncCallback(Callback):
         device = next(pl_module.encoder.parameters()).device
         merge = self.sync_merge
         result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device,
-                               keep_tasks=not merge.is_uniform)
-        start = result.average if merge.is_uniform else merge.apply(result.task_states, pl_module.theta_0)
-        self.phases.avg = {key: value.to(device) for key, value in start.items()}
+                               keep_tasks=not merge.is_uniform, host=self.phases.host)
+        if merge.is_uniform:
+            self.phases.avg = result.average  # on the device already
+        else:  # a tensor of the merge may be one of its inputs: the host buffers refilled at the next sync
+            merged = merge.apply(result.task_states, pl_module.theta_0)
+            self.phases.avg = {key: value.to(device, copy=True) for key, value in merged.items()}
         self.phases.avg_phase = phase
         length = plan.lengths[phase]
         mean_losses = {plan.local_tasks[slot]: total / plan.phase_length(plan.local_tasks[slot], phase)
@@ -273,14 +295,20 @@ class MimaSyncCallback(Callback):
                 current[key].copy_(value)
 
     def _prepare_optimizer(self, trainer, pl_module, next_slot: int) -> None:
-        """Each segment is a fresh fine-tune from `avg`: new moments, or the next task's own ones."""
+        """Each segment is a fresh fine-tune from `avg`: new moments, or the next task's own ones.
+        Those are already in the optimiser when the next segment is the task that just ran (a process
+        with one task keeps its moments there); another task's are copied into the optimiser's own
+        tensors, or loaded where it holds none of the same layout."""
         optimizer = trainer.optimizers[0]
-        optimizer.state.clear()
-        if pl_module.hparams.optimizer_state == "keep" and next_slot in self.phases.task_moments:
+        kept = self.phases.task_moments.get(next_slot) if pl_module.hparams.optimizer_state == "keep" else None
+        holds, self.optimizer_holds = self.optimizer_holds, None
+        if kept is None:
+            optimizer.state.clear()
+        elif holds != next_slot and not _load_moments_in_place(optimizer, kept):
+            optimizer.state.clear()
             groups = optimizer.state_dict()["param_groups"]  # keep the scheduler's current lr
             device = optimizer.param_groups[0]["params"][0].device
-            own = _moments_for_optimizer(self.phases.task_moments[next_slot], device)
-            optimizer.load_state_dict({"state": own, "param_groups": groups})
+            optimizer.load_state_dict({"state": _moments_for_optimizer(kept, device), "param_groups": groups})
 
     def _save_final(self, trainer, pl_module, task_index: int, weights: StateDict) -> None:
         plan, tasks = pl_module.plan, pl_module.tasks

@@ -41,13 +41,17 @@ from mima.config.config_changes import ConfigChanges, compare_configs, refuse_ch
 from mima.config.run_config import config_error_text
 from mima.core.layout import TaskLayout
 from mima.core.run_lock import RunLock
+from mima.config.defaults import AUTO, CHECKPOINT_EVERY_DEFAULT
 from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
+from mima.training.determinism import deterministic_refusal, prepare_deterministic
 from mima.training.joint import JointFinalCallback
 from mima.training.module import MimaModule
 from mima.training.phase_state import PhaseState
+from mima.training.plan_choices import choose_checkpoint_every
 from mima.training.preemption import StopAgreement
 from mima.training.rank_logger import rank_loggers
 from mima.training.elastic import check_world_size
+from mima.training.resource_plan import trains_on_gpu
 from mima.training.resume import ResumeCut, log_resume, resolve_resume, run_identity
 from mima.training.strategy import MimaStrategy
 from mima.training.sync import MimaSyncCallback
@@ -76,8 +80,9 @@ class MimaCLI(LightningCLI):
         )
         parser.add_argument("--overwrite", type=bool, default=False, help="replace the outputs of an earlier run")
         parser.add_argument(
-            "--checkpoint_every", type=str | int, default="segment",
-            help="when each process saves its state: 'segment' (every task segment end: at most K steps lost), "
+            "--checkpoint_every", type=str | int, default=CHECKPOINT_EVERY_DEFAULT,
+            help="when each process saves its state: 'auto' (default: 30min on a GPU, segment on the CPU; `mima plan` "
+            "says which), 'segment' (every task segment end: at most K steps lost), "
             "'phase' or 'K phases' (at every K-th sync: fewer files, up to K phases lost), a number n of process "
             "steps (also at syncs; saves inside a segment hold the encoder and its moments), a time such as 90s, "
             "30min or 2h (at the first sync after it has passed), or 0 (never); a stop request always saves",
@@ -113,6 +118,10 @@ class MimaCLI(LightningCLI):
         if trainer_config.get("sync_batchnorm"):
             raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
         _set_threads(config.get("threads_per_process"))
+        # before any CUDA work of this process (the processes Lightning starts come through here too)
+        note = prepare_deterministic(trainer_config.get("deterministic"), trains_on_gpu(trainer_config))
+        if note and launch_rank() == 0:
+            print(f"mima fit: {note}", flush=True)
         self.run_dir = resolve_run_dir(config.get("out"), config)
         # One job per run folder: process 0 of the job holds the lock from here to the end of run_fit (the
         # job's other processes are its own); every check below reads the folder under it.
@@ -128,9 +137,11 @@ class MimaCLI(LightningCLI):
             self.lock.release()
 
     def instantiate_locked(self, config, trainer_config, kwargs: dict[str, Any]):
+        self.plan_checkpointing = False  # model.grad_checkpointing "auto" as the plan settles it
         if launch_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         self.launch: Launch | None = None
+        self.checkpoint_every = choose_checkpoint_every(config.get("checkpoint_every"), trains_on_gpu(trainer_config))
         # each task's phase lengths: a map of budgets that does not name exactly the run's tasks is refused here
         self.task_lengths = self.model.settings.task_lengths(self.datamodule.task_names)
         world_size = configured_world_size(trainer_config)
@@ -139,8 +150,12 @@ class MimaCLI(LightningCLI):
             self.launch = self.prepare_launch(world_size)
             if self.model.hparams.mode != JOINT:
                 self.check_plan(world_size, trainer_config)
+        if self.model.hparams.grad_checkpointing == AUTO and not self.plan_checkpointing:
+            self.plan_checkpointing = self.choose_grad_checkpointing(world_size or 1, trainer_config)
+        if self.plan_checkpointing:
+            self.model.use_grad_checkpointing()
         kwargs.update(default_root_dir=str(self.run_dir), max_epochs=1, max_steps=-1)
-        every = SaveSchedule.parse(config.get("checkpoint_every"))
+        every = SaveSchedule.parse(self.checkpoint_every.value)
         saving = every.saves and trainer_config.get("enable_checkpointing") is not False
         stop = StopAgreement(self.run_dir, enabled=saving, timeout_s=config["collective_timeout"])
         kwargs["strategy"] = _strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(), self.task_work(),
@@ -198,7 +213,8 @@ class MimaCLI(LightningCLI):
         raw = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
         nodes = int(str(trainer_config.get("num_nodes", 1)))
         plan, footprint, inputs = plan_for_config(parse_run_config(raw, "config"), world_size, nodes,
-                                                  self.config.get("checkpoint_every"), tasks=self.datamodule.task_names)
+                                                  self.checkpoint_every.value, tasks=self.datamodule.task_names)
+        self.plan_checkpointing = inputs.grad_checkpointing
         if launch_rank() == 0:
             print(format_plan(plan, footprint, inputs), flush=True)
         problem = check_fits(plan, force=bool(self.config.get("force")))
@@ -206,6 +222,24 @@ class MimaCLI(LightningCLI):
             raise MimaError(problem)
         if problem is not None and launch_rank() == 0:
             print(f"mima fit: {problem}", flush=True)
+
+    def choose_grad_checkpointing(self, world_size: int, trainer_config: Mapping[str, Any]) -> bool:
+        """model.grad_checkpointing "auto" where no plan was printed (the joint baseline, a number of
+        processes Lightning resolves): the plan's choice for `world_size` processes, said in one line."""
+        if not trains_on_gpu(trainer_config):
+            return False  # the plan's choice on the CPU, without tracing the model
+        from mima.config.run_config import parse_run_config
+        from mima.training.resource_plan import plan_for_config
+
+        raw = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
+        nodes = int(str(trainer_config.get("num_nodes", 1))) if str(trainer_config.get("num_nodes", 1)).isdigit() else 1
+        plan, _, inputs = plan_for_config(parse_run_config(raw, "config"), world_size, nodes, self.checkpoint_every.value,
+                                          tasks=self.datamodule.task_names)
+        choice = plan.choices["grad_checkpointing"]
+        if launch_rank() == 0:
+            print(f"mima fit: model.grad_checkpointing auto: {'on' if choice['value'] else 'off'} ({choice['reason']})",
+                  flush=True)
+        return inputs.grad_checkpointing
 
     def check_resumed_config(self, resume_states: ResumeCut | None) -> ConfigChanges | None:
         """A resume goes on with the config its run was trained with: compare the stored config.yaml
@@ -443,7 +477,13 @@ def _run_fit(cli: MimaCLI) -> FitResult:
                   + ", ".join(launch.config_changes.harmless))
         run.write_config(cli.parser.dump(cli.config, skip_none=False))
     trainer.strategy.resume_states = resume_states
-    trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
+    except RuntimeError as exc:
+        refusal = deterministic_refusal(exc)  # trainer.deterministic and an op without such a kernel
+        if refusal is None:
+            raise
+        raise refusal from None
     stopped_by = cli.checkpoint.stopped_by if cli.checkpoint is not None else None
     if stopped_by is not None and trainer.is_global_zero:
         cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"

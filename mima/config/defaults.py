@@ -1,0 +1,17 @@
+"""Defaults that more than one command states, written once. Imports nothing heavy: the command-line
+parsers read them before torch loads.
+
+"auto" values are settled by the run's plan (mima.training.plan_choices), which `mima plan` prints
+and `mima fit` prints at start; each can be given explicitly instead.
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+
+# --checkpoint_every: "auto" saves by time on a GPU (a ViT-L/14 process state with its AdamW moments
+# is several GB, so saving at every segment end would keep the disk busy for the whole run) and at
+# every segment end on the CPU (small models, and the tests' bit-exact resume points)
+CHECKPOINT_EVERY_DEFAULT = AUTO
+CHECKPOINT_EVERY_ON_GPU = "30min"
+CHECKPOINT_EVERY_ON_CPU = "segment"
