@@ -1,12 +1,11 @@
 """Truncated SVD, the one low-rank tool that CART, CART-Indexing, TSV and the rank analyses share.
 
 The SVD runs on the device its matrix is on. A singular pair (u_i, v_i) is defined only up to a
-common sign, which LAPACK (CPU) and cuSOLVER (GPU) choose differently. Products that pair each u_i
-with its own v_i (U S V^T, low-rank approximations, polar factors, and what TSV and Iso-C build from
-them) do not depend on it, so they take the vectors as the library gives them (the CPU results stay
-bit for bit what they were). A user of U or V alone asks for canonical signs (`canonical_signs=True`:
-in each pair, the largest-magnitude entry of u_i is positive), which CART-Indexing's stored factors
-need so that the CPU and a GPU write the same index.
+common sign, which LAPACK (CPU) and cuSOLVER (GPU) choose differently. Every user pairs each u_i with
+its own v_i (U S V^T, low-rank approximations, polar factors, and what TSV and Iso-C build from
+them), which does not depend on it, so the vectors are taken as the library gives them and the CPU
+results stay bit for bit what they were. CART-Indexing stores U_r S_r and V_r apart: its index files
+from two devices may differ by the sign of a pair, the task models rebuilt from them do not.
 """
 
 from __future__ import annotations
@@ -41,22 +40,9 @@ class SVD:
         return left @ right
 
 
-def signs_fixed(u: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u, vh) with each singular pair's signs fixed: the largest-magnitude entry of each column of u
-    is positive (scikit-learn's svd_flip convention). Exact: a flip only negates."""
-    if u.numel() == 0:
-        return u, vh
-    largest = u.abs().argmax(dim=0, keepdim=True)  # per column; the first such entry on a tie
-    signs = torch.where(u.gather(0, largest) < 0, -1.0, 1.0).to(u.dtype)
-    return u * signs, vh * signs.reshape(-1, 1)
-
-
-def svd(matrix: torch.Tensor, canonical_signs: bool = False) -> SVD:
-    """Thin SVD of a 2-D tensor, computed in float32 on its device; with `canonical_signs`, each
-    singular pair's sign fixed as `signs_fixed` says (for users of U or V alone)."""
+def svd(matrix: torch.Tensor) -> SVD:
+    """Thin SVD of a 2-D tensor, computed in float32 on its device."""
     u, s, vh = torch.linalg.svd(matrix.float(), full_matrices=False)
-    if canonical_signs:
-        u, vh = signs_fixed(u, vh)
     return SVD(u, s, vh)
 
 

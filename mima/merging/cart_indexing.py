@@ -10,9 +10,9 @@ Task t's model is theta_avg + left_t @ right_t on the matrices and theta_avg + (
 elsewhere.
 
 Index keys: `avg/<key>`, `task<i>/<key>/left` (m x r, singular values folded in),
-`task<i>/<key>/right` (r x n), `task<i>/<key>/full`. Each singular pair's sign is fixed (the entry of
-largest magnitude of each column of left positive: mima.core.linalg), so the CPU and a GPU write the
-same factors; a task's model, their product, does not depend on it.
+`task<i>/<key>/right` (r x n), `task<i>/<key>/full`. A singular pair's sign is the SVD library's, so an
+index made on a GPU may differ from the CPU's by the sign of a pair; a task's model, their product,
+does not depend on it (mima.core.linalg).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRI
         for task, model in enumerate(models):
             centered = model[key].float() - average.float()
             if key in matrices:
-                # U_r S_r and V_r are stored apart: their signs fixed, so any device writes the same index
-                left, right = svd(centered, canonical_signs=True).factors(cart_rank(average.shape, rank_ratio))
+                # U_r S_r and V_r stored apart (a pair's sign is the SVD library's: mima.core.linalg)
+                left, right = svd(centered).factors(cart_rank(average.shape, rank_ratio))
                 index[f"task{task}/{key}/left"] = left.contiguous()
                 index[f"task{task}/{key}/right"] = right.contiguous()
             else:
