@@ -247,7 +247,9 @@ def _plan_options(argv: Sequence[str]) -> argparse.Namespace:
         "the share of time spent waiting at syncs (with the W values that waste less), device memory per process "
         "(weights, gradients, AdamW moments, the phase average, activations traced from the model on the meta "
         "device), host memory per process and per node, the size of each checkpoint file, the bytes written over the "
-        "run, the peak on disk and the sync volume. No weights or data are read. `mima fit` prints the same at start.",
+        "run, the peak on disk and the sync volume; and the defaults it chooses for the run (model.grad_checkpointing, "
+        "--checkpoint_every, a loader warning, the SLURM --signal lead), from a step time estimated on a GPU. No "
+        "weights or data are read. `mima fit` prints the same at start.",
     )
     parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
     parser.add_argument("--trainer.devices", dest="devices", type=int, default=None,
