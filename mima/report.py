@@ -16,7 +16,6 @@ previous one as it was.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import os
@@ -327,12 +326,6 @@ def write_report(folder: Path, out: Path | None = None, overwrite: bool = False)
         markdown_file.write_text(render_markdown(page, out))
         html_file.write_text(render_html(page, out))
     return report_files
-
-
-def main(options: argparse.Namespace) -> None:
-    started = time.time()
-    written = write_report(options.folder, options.out, options.overwrite)
-    print(f"mima report: wrote {', '.join(map(str, written))} in {time.time() - started:.1f} s")
 
 
 def _budget_text(steps, iterations: int) -> str:

@@ -5,14 +5,17 @@
     merging  <-  training                               (the phase-end operator, model.sync_merge, is a merge)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
-    analysis, then the commands (sweep, demo, report, merge_command, prefetch, command_options, the convert package),
-    then the CLI
-    nothing imports the CLI
+    analysis, then what the commands run ("runners": sweep, evaluate_runs, demo, report, merge_command, prefetch,
+    command_options, the convert package; they move into mima/commands/ later, issue 37),
+    then the commands (mima/commands/: each command's parse and main, the COMMANDS table),
+    then the CLI (mima.cli, mima.__main__: parse and dispatch)
+    nothing imports the CLI, and only the CLI imports the commands
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mima.core.errors import MimaError
 from mima.core.safetensors_io import save_state_dict
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mima"
@@ -35,8 +39,10 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": {"core", "data", "config", "models"},
     "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},
     "analysis": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools"},
-    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
-    "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "commands"},
+    "runners": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis"},
+    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "runners"},
+    "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "runners",
+            "commands"},
     "package": set(),  # mima/__init__.py
 }
 # third-party packages a layer must not import (the core and the merge engine stay light)
@@ -46,10 +52,11 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-COMMAND_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch",
-                   "mima.command_options"}
-# packages that belong to the commands layer whole: the package and every module in it
-COMMAND_PACKAGES = {"mima.convert"}
+# what the commands run, outside mima/commands/ for now (the "runners" layer)
+RUNNER_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch",
+                  "mima.command_options"}
+# packages that belong to the runners layer whole: the package and every module in it
+RUNNER_PACKAGES = {"mima.convert"}
 
 
 def layer_of(module: str) -> str:
@@ -57,8 +64,8 @@ def layer_of(module: str) -> str:
         return "package"
     if module in ("mima.cli", "mima.__main__"):
         return "cli"
-    if module in COMMAND_MODULES or any(module == package or module.startswith(package + ".") for package in COMMAND_PACKAGES):
-        return "commands"
+    if module in RUNNER_MODULES or any(module == package or module.startswith(package + ".") for package in RUNNER_PACKAGES):
+        return "runners"
     if module == "mima.pools":
         return "pools"
     parts = module.split(".")
@@ -136,7 +143,12 @@ def test_the_package_follows_its_import_rules():
         ("mima.report", "from mima.cli import main", "mima.report imports the CLI (mima.cli)"),
         ("mima.convert.pickle_reader", "    from mima.cli import main", "mima.convert.pickle_reader imports the CLI (mima.cli)"),
         ("mima.models.hf_clip", "from mima.convert.hf_conversion import HF_CONFIG",
-         "mima.models.hf_clip (models) imports mima.convert.hf_conversion (commands)"),
+         "mima.models.hf_clip (models) imports mima.convert.hf_conversion (runners)"),
+        ("mima.demo", "from mima.commands.common import no_empty_folder_left",
+         "mima.demo (runners) imports mima.commands.common (commands)"),
+        ("mima.analysis.cosine.command", "    from mima.commands import COMMANDS",
+         "mima.analysis.cosine.command (analysis) imports mima.commands (commands)"),
+        ("mima.commands.merge", "    from mima.cli import main", "mima.commands.merge imports the CLI (mima.cli)"),
         ("mima.training.sync", "from mima.pools import TaskPool", "mima.training.sync (training) imports mima.pools (pools)"),
     ],
 )
@@ -249,3 +261,69 @@ def test_no_test_file_imports_another():
                                            "test_joint.py imports tests.test_distributed",
                                            "test_report.py imports tests.test_run_lock",
                                            "test_splits.py imports .test_real_tasks"]
+
+
+# ------------------------------------------------------------------------------- the commands table
+def test_every_command_module_imports_nothing_heavy():
+    """Every module the COMMANDS and DATA_COMMANDS tables name has parse(argv) and main(argv), and
+    importing all of them (as `--help` does one) loads none of torch, Lightning, open_clip."""
+    heavy = {"torch", "lightning", "pytorch_lightning", "open_clip", "torchvision", "timm", "matplotlib"}
+    script = (
+        "import importlib, sys\n"
+        "from mima.commands import COMMANDS, DATA_COMMANDS\n"
+        "for command in COMMANDS + DATA_COMMANDS:\n"
+        "    module = importlib.import_module(command.module)\n"
+        "    assert callable(module.parse) and callable(module.main), command.module\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "HEAVY []" in result.stdout, result.stdout
+
+
+def _help_of(run, *argv: str) -> str:
+    import contextlib
+    import io
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+        run(*argv)
+    return shown.getvalue()
+
+
+def test_the_commands_table_drives_usage_dispatch_and_parse():
+    """Each command of the table is listed once by `mima --help`, named in the unknown-command error,
+    reached by `mima NAME --help` and known to `parse`; the same for the data subcommands. (fit's
+    --help is LightningCLI's: tests/test_help_options.py runs it.)"""
+    from mima.analysis import ANALYSES
+    from mima.cli import main, parse
+    from mima.commands import COMMANDS, DATA_COMMANDS, names
+
+    assert len(set(names(COMMANDS))) == len(COMMANDS) and len(set(names(DATA_COMMANDS))) == len(DATA_COMMANDS)
+    usage = _help_of(main, ["--help"]).splitlines()
+    for command in COMMANDS:
+        assert [line for line in usage if line.split()[:1] == [command.name]] == [f"  {command.name:<8} {command.summary}"]
+    with pytest.raises(MimaError, match=re.escape(f"(commands: {', '.join(names(COMMANDS))})")):
+        parse("bogus", [])
+    for command in COMMANDS:
+        if command.handles_sigterm:
+            continue  # fit: LightningCLI's parser
+        if command.subcommands:
+            assert _help_of(main, [command.name, "--help"]).startswith(f"usage: mima {command.name} ")
+            subcommands = names(DATA_COMMANDS) if command.name == "data" else tuple(ANALYSES)
+            for subcommand in subcommands:
+                expected = f"usage: mima {command.name} {subcommand} "
+                assert _help_of(main, [command.name, subcommand, "--help"]).startswith(expected)
+                assert _help_of(parse, command.name, [subcommand, "--help"]).startswith(expected)
+        else:
+            assert _help_of(main, [command.name, "--help"]).startswith(f"usage: mima {command.name} ")
+            assert _help_of(parse, command.name, ["--help"]).startswith(f"usage: mima {command.name} ")
+
+
+def test_the_cli_writes_no_command_name():
+    """mima/cli.py reads every command name from the table: none is written there as a string."""
+    from mima.commands import COMMANDS, DATA_COMMANDS, names
+
+    written = {node.value for node in ast.walk(ast.parse((PACKAGE / "cli.py").read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert written & set(names(COMMANDS) + names(DATA_COMMANDS)) == set()

@@ -41,12 +41,15 @@ from pathlib import Path
 
 from mima.analysis import ANALYSES
 from mima.cli import COMMANDS, DATA_COMMANDS, parse
+from mima.commands import names
 from mima.core.errors import MimaError
 
 REPO = Path(__file__).resolve().parents[1]
 FIT_STAND_IN_CONFIG = "configs/demo.yaml"
 # text of a line or span -> why it is not checked (each must still be found, so that none goes stale)
 SKIPPED: dict[str, str] = {}
+# the commands whose first argument names a subcommand (`mima data check`, `mima analyze cosine`)
+WITH_SUBCOMMANDS = frozenset(command.name for command in COMMANDS if command.subcommands)
 
 # commands that run the command after them (with options of their own)
 _LAUNCHERS = {"srun", "python", "python3", "time", "nice", "exec", "do", "then", "env"}
@@ -162,10 +165,10 @@ def _command_of(words: tuple[str, ...]) -> tuple[str, list[str], str | None]:
     if not words:
         return "", [], None
     command, rest = words[0], list(words[1:])
-    if command not in COMMANDS:
+    if command not in names(COMMANDS):
         return command, rest, f"unknown command '{command}'"
-    if command in ("data", "analyze") and rest and not rest[0].startswith("-"):
-        known = DATA_COMMANDS if command == "data" else ANALYSES
+    if command in WITH_SUBCOMMANDS and rest and not rest[0].startswith("-"):
+        known = names(DATA_COMMANDS) if command == "data" else ANALYSES
         if rest[0] not in known:
             return command, rest, f"unknown {command} subcommand '{rest[0]}'"
     return command, rest, None
@@ -173,7 +176,7 @@ def _command_of(words: tuple[str, ...]) -> tuple[str, list[str], str | None]:
 
 def _is_reference(command: str, rest: list[str]) -> bool:
     """Only a command's (and subcommand's) name: nothing to parse."""
-    return not rest or (command in ("data", "analyze") and len(rest) == 1 and not rest[0].startswith("-"))
+    return not rest or (command in WITH_SUBCOMMANDS and len(rest) == 1 and not rest[0].startswith("-"))
 
 
 def _options_written(rest: list[str]) -> list[str]:
@@ -217,7 +220,7 @@ def problem_of(example: Example) -> str | None:
     command, rest, problem = _command_of(example.words)
     if problem is not None or _is_reference(command, rest):
         return problem
-    subcommand = rest[0] if command in ("data", "analyze") and not rest[0].startswith("-") else None
+    subcommand = rest[0] if command in WITH_SUBCOMMANDS and not rest[0].startswith("-") else None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             parse(command, rest)

@@ -20,13 +20,14 @@ from pathlib import Path
 
 from mima.convert.hf_conversion import HF_CONFIG, HF_WEIGHTS, convert_from_hf_clip, convert_to_hf_clip, hf_checkpoint_files
 from mima.convert.hf_writer import write_hf_output
+from mima.convert.options import ConvertOptions
 from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite
 from mima.core.safetensors_io import save_state_dict
 
 
-def _output_of(options) -> Path:
+def _output_of(options: ConvertOptions) -> Path:
     if options.output is not None and options.output_positional is not None:
         raise MimaError(f"give the output once: OUTPUT {options.output_positional} or --output {options.output}")
     output = options.output if options.output is not None else options.output_positional
@@ -52,7 +53,7 @@ def _check_options(options) -> str:
     return mode
 
 
-def main(options) -> None:
+def main(options: ConvertOptions) -> None:
     mode = _check_options(options)
     output, source = _output_of(options), options.source
     if mode == "pickle":

@@ -4,11 +4,28 @@ torch is loaded; mima.convert.command checks and runs them."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 # The MLP activations of open_clip's ViT, as mima.models.hf_clip.ACTIVATIONS names them (that module
 # imports torch; tests/test_cli_startup.py checks both lists agree).
 ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The parsed options (the fields are add_arguments' destinations)."""
+
+    source: Path
+    output_positional: Path | None  # OUTPUT, or --output
+    output: Path | None
+    source_format: str | None  # --from: "pickle" or "hf-clip"; None: pickle
+    target_format: str | None  # --to: "hf-clip"
+    prefix: str | None  # pickle only; None: model.visual.
+    arch: str | None  # hf-clip: the open_clip architecture; None: from the weights' shapes
+    projection_from: Path | None
+    activation: str | None  # one of ACTIVATIONS
+    overwrite: bool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,125 @@
+"""What several commands share: the one-line argument parser, the --config/--data.root arguments and
+the config they load, the clean-up of an --out folder a failed command created, and the one-line
+forms of operating-system errors. Imports nothing heavy (the config machinery loads on use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import errno
+import os
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from mima.config.source import check_config_source
+from mima.core.errors import MimaError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the option (not the whole usage text)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise MimaError(f"{message} (see {self.prog} --help)")
+
+
+Options = TypeVar("Options")
+
+
+def frozen_options(kind: type[Options], parsed: argparse.Namespace) -> Options:
+    """The parsed options as KIND, a frozen dataclass whose fields are the parser's destinations
+    (a list argparse collected becomes a tuple, so that the options cannot change once checked)."""
+    values = vars(parsed)
+    fields = {field.name for field in dataclasses.fields(kind)}
+    if fields != set(values):  # a programming error: the dataclass and the parser disagree
+        raise TypeError(f"{kind.__name__}: fields {sorted(fields)} != parsed options {sorted(values)}")
+    return kind(**{name: tuple(value) if isinstance(value, list) else value for name, value in values.items()})
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config and --data.root, for commands that act on what a `mima fit` config needs."""
+    parser.add_argument("--config", type=Path, required=True, help="the `mima fit` config file (or a run folder)")
+    parser.add_argument("--data.root", dest="data_root", type=Path,
+                        help="the data root, when the config leaves it to the command line (as configs/clip/*.yaml do)")
+
+
+class ConfigOptions(Protocol):
+    """The options add_config_arguments declares."""
+
+    @property
+    def config(self) -> Path: ...
+
+    @property
+    def data_root(self) -> Path | None: ...
+
+
+def config_with_root(options: ConfigOptions):
+    """The run config that --config names, with --data.root applied (a RunConfig)."""
+    check_config_source(options.config)  # before the config machinery (and torch) is imported
+    from mima.config.run_config import load_run_config
+
+    config = load_run_config(options.config)
+    if options.data_root is not None:
+        config.data.root = str(options.data_root)
+    return config
+
+
+@contextlib.contextmanager
+def no_empty_folder_left(folder: Path | None):
+    """A command that fails (a mistake found late, a signal) leaves no empty --out folder behind,
+    nor the empty parents it created for it; a folder that existed before, or holds files, stays."""
+    if folder is None:
+        yield
+        return
+    folder = Path(folder)
+    created = [path for path in (folder, *folder.parents) if not path.exists() and not path.is_symlink()]
+    try:
+        yield
+    except BaseException:
+        for path in created:  # the deepest first
+            try:
+                path.rmdir()  # only an empty folder goes
+            except OSError:
+                break
+        raise
+
+
+OS_ERROR_HINTS = {
+    errno.ENOSPC: "free space there or write elsewhere",
+    errno.EDQUOT: "free space in your quota or write elsewhere",
+    errno.EFBIG: "the file size limit (ulimit -f) is too small for it",
+    errno.EROFS: "the filesystem is read-only; write elsewhere (e.g. --out)",
+    errno.EACCES: "check its permissions, or write elsewhere",
+    errno.EPERM: "check its permissions, or write elsewhere",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_line(exc: OSError) -> str:
+    """An operating-system error as one line: the path, what went wrong, what to do."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    hint = OS_ERROR_HINTS.get(exc.errno)
+    return f"{where}{exc.strerror or exc}" + (f" ({hint})" if hint else "")
+
+
+def storage_error_line(exc: Exception) -> str | None:
+    """A library's wrapping of a full or unwritable disk (safetensors reports it as its own error
+    type with the OS message inside) as one line; None for anything else."""
+    text = str(exc)
+    for code, hint in OS_ERROR_HINTS.items():
+        message = os.strerror(code)
+        if message in text:
+            return f"{message} ({hint}) [{type(exc).__name__}]"
+    return None
+
+
+def one_line(error: MimaError) -> str:
+    """The error's message. Raised in a DataLoader worker, it comes back wrapped in the worker's
+    traceback ("Caught MimaError in DataLoader worker process 0. Original Traceback ..."); its
+    last line holds the message."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(f"{MimaError.__name__}: ", 1)[-1]

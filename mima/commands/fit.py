@@ -1,0 +1,44 @@
+"""`mima fit`: one MIMA run through LightningCLI (mima.training.trainer); its parser is LightningCLI's,
+so only a missing --config file is checked before Lightning is imported."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from mima.core.errors import MimaError
+
+
+def parse(argv: Sequence[str]):
+    """The parsed `mima fit` options (LightningCLI's namespace; imports Lightning, reads --config files)."""
+    from mima.training.trainer import parse_fit
+
+    return parse_fit(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """Exit status: 0 when the run finished; 128 + the signal number when a signal stopped it after
+    saving a checkpoint (on the process that was started; the others exit 0 so that launchers do not
+    tear the job down before it has saved)."""
+    check_config_files(argv)  # before Lightning is imported: a typo answers at once
+    from mima.training.trainer import launch_rank, run_fit
+
+    result = run_fit(list(argv))
+    if result.preempted_by and launch_rank() == 0:
+        return 128 + result.preempted_by
+    return 0
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Refuse a `--config FILE` (or -c FILE, --config=FILE) that does not exist. A value that holds
+    YAML itself (jsonargparse takes that too) is left to the parser."""
+    for index, word in enumerate(argv):
+        if word in ("--config", "-c") and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif word.startswith("--config="):
+            value = word.split("=", 1)[1]
+        else:
+            continue
+        holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
+        if not holds_yaml and not Path(value).exists():
+            raise MimaError(f"--config {value}: no such file")
