@@ -588,7 +588,7 @@ def _stopped(store: CellStore, team: Team, signum: int | None, title: str) -> No
     if team.rank == 0:
         kept = store.load()
         print(f"{title}: stopped by signal {signum}; {kept} finished cells kept in {store.cells_dir}; "
-              "run the same command to go on")
+              "run the same command to go on", flush=True)  # before a requeue ends the job step
         if signum == signal.SIGUSR1:
             from mima.training.trainer import requeue_slurm_job  # only under SLURM, and only here
 

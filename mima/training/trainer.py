@@ -487,7 +487,10 @@ def _run_fit(cli: MimaCLI) -> FitResult:
     stopped_by = cli.checkpoint.stopped_by if cli.checkpoint is not None else None
     if stopped_by is not None and trainer.is_global_zero:
         cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"
-        print(f"mima fit: stopped by {cause} at process step {trainer.global_step}; state saved, resume with --ckpt_path last")
+        # flushed: `scontrol requeue` below ends this job step, and a block-buffered log (SLURM's output
+        # file) would lose what is still in the buffer
+        print(f"mima fit: stopped by {cause} at process step {trainer.global_step}; state saved, resume with --ckpt_path last",
+              flush=True)
         if stopped_by == signal.SIGUSR1:
             # SLURM's warning before the time limit: come back and go on. Not SIGTERM: that is scancel
             # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
@@ -508,6 +511,6 @@ def requeue_slurm_job(command: str = "mima fit") -> None:
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode:
-        print(f"{command}: scontrol requeue {job} failed: {result.stderr.strip()}")
+        print(f"{command}: scontrol requeue {job} failed: {result.stderr.strip()}", flush=True)
     else:
-        print(f"{command}: requeued SLURM job {job}")
+        print(f"{command}: requeued SLURM job {job}", flush=True)
