@@ -156,7 +156,7 @@ def test_cpu_sbatch_job_survives_preemption(slurm, tmp_path, job):
     assert int(slurm.job_field(job_id, "Restarts")) == 1
 
     text = log.read_text()
-    assert "stopped by signal 10" in text and f"requeued SLURM job {job_id}" in text
+    assert "stopped by signal 10" in text and f"requeueing SLURM job {job_id}" in text
     assert "restart 1" in text and "resuming from" in text
     assert f"-> {runs}/job-N{{iterations}}-seed{{seed}}" in text  # launch.sh names the run, not the job id
     _assert_same_final(run_dir, reference)

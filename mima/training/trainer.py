@@ -509,8 +509,9 @@ def requeue_slurm_job(command: str = "mima fit") -> None:
         return
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    # said before, not after: a successful requeue ends this job step at once (SLURM signals and then
+    # kills its processes), so a line printed once scontrol returns may never be written
+    print(f"{command}: requeueing SLURM job {job} (scontrol requeue)", flush=True)
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode:
         print(f"{command}: scontrol requeue {job} failed: {result.stderr.strip()}", flush=True)
-    else:
-        print(f"{command}: requeued SLURM job {job}", flush=True)
