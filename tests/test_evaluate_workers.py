@@ -170,7 +170,7 @@ def test_a_local_rank_beyond_the_visible_gpus_is_one_line():
         device_index(4, 4)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA: on a GPU machine evaluation uses CUDA by design, and the GPU test below runs instead")
 def test_on_the_cpu_cuda_is_never_touched(four_task_run, tmp_path):
     assert claim_device(3) == torch.device("cpu")
     out = tmp_path / "table"

@@ -8,8 +8,9 @@ to them, by a background thread (mima.training.background_writer: FIFO, temporar
 rename), so training goes on while bytes reach the disk and a kill mid-write leaves every earlier
 file intact.
 
-When to save (`--checkpoint_every`, `SaveSchedule`): "segment" (default: every task segment end,
-so a crash loses at most K steps), "phase" or "k phases" (at every k-th sync: fewer, smaller files,
+When to save (`--checkpoint_every`, `SaveSchedule`; `mima fit`'s default "auto" is settled by the
+plan, mima.training.plan_choices: "30min" on a GPU, "segment" on the CPU): "segment" (every task
+segment end, so a crash loses at most K steps), "phase" or "k phases" (at every k-th sync: fewer, smaller files,
 up to k phases of a process lost), a number n (every n process steps and at every sync; inside a
 segment a save holds the encoder and its moments: 1-3 encoder sizes per process), a time such as
 "30min" (at the first sync after that much time since the last save, by process 0's clock, which it
