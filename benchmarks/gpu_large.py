@@ -15,6 +15,7 @@ a parameter so that `--cpu-smoke` runs the same code on a small tower.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -146,14 +147,19 @@ def write_task_models(size: LargeSize, folder: Path) -> tuple[Path, list[Path]]:
     return base, models
 
 
-def large_rows(size: LargeSize, device: str, scratch: Path) -> dict:
-    """Every large-model measurement on `device` (merges: the CPU against `device`)."""
-    return {
-        "step": {"no_checkpointing": step_measurement(size, device, checkpointing=False),
-                 "checkpointing": step_measurement(size, device, checkpointing=True)},
-        "sync": sync_measurement(size, device),
-        "merges": merge_measurements(size, device, scratch),
-    }
+def large_rows(size: LargeSize, device: str, scratch: Path,
+               progress: Callable[[str, object], None] = lambda label, value: None) -> dict:
+    """Every large-model measurement on `device` (merges: the CPU against `device`); `progress` hears
+    each one as it finishes."""
+    step = {}
+    for name in ("no_checkpointing", "checkpointing"):
+        step[name] = step_measurement(size, device, checkpointing=name == "checkpointing")
+        progress(f"large step, {name}", step[name])
+    sync = sync_measurement(size, device)
+    progress("large sync", sync)
+    merges = merge_measurements(size, device, scratch, progress)
+    progress("large merges", merges)
+    return {"step": step, "sync": sync, "merges": merges}
 
 
 def gib(value: float | None) -> str:
@@ -180,29 +186,56 @@ def large_table(large: dict) -> list[tuple]:
 MERGE_METHODS = ("cart", "tsv")
 
 
-def merge_measurements(size: LargeSize, device: str, scratch: Path) -> dict:
+def merge_measurements(size: LargeSize, device: str, scratch: Path,
+                       progress: Callable[[str, object], None] = lambda label, value: None) -> dict:
     """CART and TSV (their default hyperparameters) of `merge_tasks` L/14-sized task models through the
-    file engine on the CPU and on `device` (the CPU again in the smoke mode): seconds of each and the
-    largest difference between the two outputs relative to the largest entry of its tensor."""
+    file engine on `device` and on the CPU (the CPU again in the smoke mode): seconds of each and the
+    largest difference between the two outputs relative to the largest entry of its tensor. The
+    device runs first (the CPU's SVDs take minutes at this size: a run cut off by a time limit keeps
+    the device's times), and the CPU uses every core (an earlier `mima fit` in the same process
+    lowers torch's thread count to its threads_per_process)."""
     from mima.core.safetensors_io import load_state_dict
     from mima.merging import get_method
     from mima.merging.engine import merge_to_file, open_inputs
 
     base, models = write_task_models(size, scratch / "models")
+    outputs: dict[tuple[str, str], Path] = {}
+    seconds: dict[tuple[str, str], float] = {}
+    threads = torch.get_num_threads()
+    for label, where in (("device", device), ("cpu", "cpu")):
+        torch.set_num_threads(os.cpu_count() or threads if where == "cpu" else threads)
+        for name in MERGE_METHODS:
+            output = outputs[name, label] = scratch / f"{name}-{label}.safetensors"
+            with open_inputs(models, base) as inputs:
+                seconds[name, label], _ = timed(lambda: merge_to_file(get_method(name), inputs, output, {}, {"method": name},
+                                                                      overwrite=True, device=torch.device(where)))
+            progress(f"large merge {name} on {where} (s)", seconds[name, label])
+    torch.set_num_threads(threads)
     results = {}
     for name in MERGE_METHODS:
-        method = get_method(name)
-        outputs, seconds = {}, {}
-        for where in ("cpu", device):
-            label = "cpu" if where == "cpu" and "cpu" not in outputs else "device"
-            output = scratch / f"{name}-{label}.safetensors"
-            with open_inputs(models, base) as inputs:
-                seconds[label], _ = timed(lambda: merge_to_file(method, inputs, output, {}, {"method": name},
-                                                                overwrite=True, device=torch.device(where)))
-            outputs[label] = output
-        cpu, other = load_state_dict(outputs["cpu"]), load_state_dict(outputs["device"])
+        cpu, other = load_state_dict(outputs[name, "cpu"]), load_state_dict(outputs[name, "device"])
         worst = max(float((other[key].float() - cpu[key].float()).abs().max() / cpu[key].float().abs().max().clamp_min(1e-30))
                     for key in cpu)
-        results[name] = {"tasks": size.merge_tasks, "device": device, "cpu_s": seconds["cpu"],
-                         "device_s": seconds["device"], "max_relative_difference": worst}
+        results[name] = {"tasks": size.merge_tasks, "device": device, "cpu_s": seconds[name, "cpu"],
+                         "device_s": seconds[name, "device"], "max_relative_difference": worst}
     return results
+
+
+def main() -> None:
+    """Only the merge rows, on their own (the suite runs them last): `python benchmarks/gpu_large.py`."""
+    import argparse
+    import json
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="CART and TSV of L/14-sized task models on the GPU and the CPU")
+    parser.add_argument("--tasks", type=int, default=L14.merge_tasks)
+    options = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = LargeSize(L14.clip, L14.batch, L14.timed_steps, L14.sync_tasks, options.tasks)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = merge_measurements(size, device, Path(scratch), lambda label, value: print(f"{label}: {value}", flush=True))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -234,6 +234,11 @@ def peak_tflops(device: str, given: float | None) -> float | None:
     return peak_bf16_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
 
 
+def progress(label: str, value: object) -> None:
+    """One line per finished measurement, flushed: a run cut off by a time limit keeps what it measured."""
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {value}", flush=True)
+
+
 def measure(size: Size, large: LargeSize, repeats: int, peak_given: float | None, scratch: Path) -> dict:
     cuda = torch.cuda.is_available() and size is not SMOKE
     clip = smoke_clip(scratch / "clip") if size is SMOKE else size.clip
@@ -248,26 +253,33 @@ def measure(size: Size, large: LargeSize, repeats: int, peak_given: float | None
         with resident_training_data(batches):
             seconds, steps, _ = run_mima(config, timer_file)
             rates["mima"].append(steps / seconds)
+            progress("fit, resident inputs (steps/s)", rates["mima"][-1])
             quiet = fit_config(size, clip, tasks, scratch / "run", timer_file, cuda, checkpoint_every=0)
             seconds, steps, _ = run_mima(quiet, timer_file)
             rates["no_checkpoints"].append(steps / seconds)
+            progress("fit, resident inputs, no checkpoints (steps/s)", rates["no_checkpoints"][-1])
         seconds, steps, _ = run_bare(setup, batches)
         rates["bare"].append(steps / seconds)
+        progress("bare loop (steps/s)", rates["bare"][-1])
         flops = step_flops(setup, batches[0])
         del batches
         config["data"]["cache"] = True
         seconds, steps, _ = run_mima(config, timer_file)
         rates["cached"].append(steps / seconds)
+        progress("fit, data.cache (steps/s)", rates["cached"][-1])
     median = {key: statistics.median(values) for key, values in rates.items()}
     peak = peak_tflops(setup.device, peak_given)
     evaluation = evaluation_rates(setup, size)
+    progress("evaluation (images/s)", evaluation)
     adamw = json.loads(timer_file.with_name("adamw.json").read_text())
+    progress("AdamW kernel", adamw)
     sync_s = sync_seconds(setup.encoder, len(setup.plan.tasks), setup.device)
+    progress("one sync (s)", sync_s)
     device_name = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
     del setup  # the B/32 tower and its batches, before the large rows
     large_clip = smoke_clip(scratch / "clip") if size is SMOKE else large.clip
     large_result = large_rows(LargeSize(large_clip, large.batch, large.timed_steps, large.sync_tasks, large.merge_tasks),
-                              "cuda" if cuda else "cpu", scratch / "large")
+                              "cuda" if cuda else "cpu", scratch / "large", progress)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": device_name,
