@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 from mima.core.errors import MimaError  # noqa: E402
 from mima.core.files import write_json_atomic, write_text_atomic  # noqa: E402
 from mima.core.run_folder import SweepFolder  # noqa: E402
-from mima.evaluate_runs import evaluate_runs  # noqa: E402
+from mima.commands.evaluate.runs import evaluate_runs  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
-from mima.training.trainer import run_fit  # noqa: E402
+from mima.commands.fit.run import run_fit  # noqa: E402
 
 VARIANTS = {
     "reset": {"optimizer_state": "reset"},

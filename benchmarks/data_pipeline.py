@@ -42,7 +42,7 @@ from PIL import Image
 
 from mima.data.datamodule import TaskSuiteDataModule, TrainingSetup
 from mima.models.clip import load_clip
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128

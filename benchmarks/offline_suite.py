@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from mima.core.errors import MimaError
 from mima.merging import MERGE_METHODS
-from mima.sweep import run_sweep
+from mima.commands.sweep import run_sweep
 from mima.config.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from trainer_overhead import PRESETS, _synchronize, benchmark_config, run_bare
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 
 
 class StepClock(Callback):

@@ -58,13 +58,14 @@ from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import MultiTaskDataset, PhaseBatchSampler
 from mima.models.batchnorm import train_with_frozen_batchnorm
 from mima.models.classifier import classify
-from mima.models.clip import default_cache_dir, load_clip
+from mima.core.cache_dir import default_cache_dir
+from mima.models.clip import load_clip
 from mima.models.heads import task_heads
 from mima.core.run_folder import RunFolder
 from mima.training.lr_schedule import lr_factor
 from mima.core.plan import PhasePlan
 from mima.config.run_config import load_run_config
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {

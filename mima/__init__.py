@@ -10,9 +10,10 @@ The pieces, by package (imports go one way, top to bottom; tests/test_architectu
   mima.evaluation  accuracy, the Table-1 style results (numbers, Markdown tables, files), plots
   mima.pools       model pool and task pool for data-dependent merges, selection and analyses
   mima.analysis    why a merge works: one package per analysis (computation, plot, command)
-  mima.sweep, mima.evaluate_runs, mima.demo, mima.report, mima.merge_command, mima.prefetch, the mima.convert package:
-                   what the commands run
-  mima.commands    one module per command (its options, parse and main) and the COMMANDS table
+  mima.convert     pickled modules read without running them; transformers CLIP <-> open_clip
+  mima.commands    one module or package per command (its options, parse, main and what it runs:
+                   the sweep, the evaluation of runs, the demo, the report, merges of files) and the
+                   COMMANDS table
   mima.cli         the command line: parses and dispatches through that table
 """
 

@@ -33,7 +33,8 @@ from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
 from mima.evaluation.loader_pool import LoaderPool
 from mima.merging.engine import expand_models
 from mima.models.classifier import classify
-from mima.models.clip import default_cache_dir, load_clip
+from mima.core.cache_dir import cache_dir_or_default
+from mima.models.clip import load_clip
 from mima.models.heads import task_heads
 from mima.config.run_config import RunConfig, load_run_config
 
@@ -97,7 +98,7 @@ def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> Ta
     """The TaskPool of a run: a `mima fit` config file, a run folder, a config dict or a RunConfig."""
     config = source if isinstance(source, RunConfig) else load_run_config(source)
     model = config.model
-    cache = Path(model.cache_dir) if model.cache_dir else default_cache_dir()
+    cache = cache_dir_or_default(model.cache_dir)
     loaded = load_clip(model.clip, model.pretrained, cache_dir=cache, quick_gelu=model.quick_gelu)
     data = config.datamodule()
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}

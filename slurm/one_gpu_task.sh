@@ -13,8 +13,8 @@
 # When the task sees exactly one GPU and shares the node with other tasks, this script
 #   - sets TORCHELASTIC_RUN_ID: _parse_gpu_ids skips the check when torch.distributed reports a
 #     torchelastic launch and the process sees one GPU (its own provision for launchers that give
-#     each process one GPU). mima still uses SLURMEnvironment (mima.training.trainer sets it on the
-#     strategy), so ranks, world size, MASTER_ADDR/PORT and requeueing still come from SLURM;
+#     each process one GPU). mima still uses SLURMEnvironment (mima.training.trainer builds the
+#     strategy with it), so ranks, world size, MASTER_ADDR/PORT and requeueing still come from SLURM;
 #   - sets SLURM_LOCALID=0 for this process only: every process then takes cuda:0, its own GPU.
 #     Global ranks come from SLURM_PROCID and node ranks from SLURM_NODEID, which stay as they are.
 #     Lightning's other uses of the local rank are per-node conveniences that mima does not rely on

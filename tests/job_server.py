@@ -31,7 +31,7 @@ import socket
 import sys
 
 import mima.cli  # noqa: F401  (what `python -m mima` imports first)
-import mima.training.trainer  # noqa: F401  (torch, Lightning, open_clip, torchmetrics: the 5 s)
+import mima.commands.fit.run  # noqa: F401  (torch, Lightning, open_clip, torchmetrics: the 5 s)
 import tests.helpers  # noqa: F401  (the fault-injection callbacks the test configs name)
 
 MAX_FDS = 3

@@ -13,7 +13,7 @@ import yaml
 from mima.core.safetensors_io import load_state_dict
 from mima.data.sampler import JointBatchSampler, PhaseBatchSampler
 from mima.core.plan import PhasePlan
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.helpers import run_job
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from mima.analysis.cosine.compute import heatmap_phases, off_diagonal
 from mima.cli import main
 from mima.models.clip import load_clip
 from mima.core.run_folder import RunFolder
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "rot180", "mirror"]

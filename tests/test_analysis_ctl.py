@@ -18,7 +18,7 @@ from mima.analysis.ctl.compute import (
 from mima.cli import main
 from mima.pools import task_pool
 from mima.core.run_folder import RunFolder
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 ALPHAS = [0.25, 0.5, 0.75]

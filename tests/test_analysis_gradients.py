@@ -351,7 +351,7 @@ def test_analysis_on_a_small_clip_matches_a_hand_fine_tune_and_a_hand_merge(pool
 
 
 def test_cli_on_a_run_folder_and_one_line_errors(tmp_path, small_clip, capsys):
-    from mima.training.trainer import run_fit
+    from mima.commands.fit.run import run_fit
 
     run = run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1)).run_dir
     out = tmp_path / "out"

@@ -23,7 +23,7 @@ from mima.core.subsets import fixed_subset
 from mima.pools import task_pool
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "rot180", "mirror"]

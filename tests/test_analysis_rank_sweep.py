@@ -16,7 +16,7 @@ from mima.merging.registry import get_method
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import mean_state_dict
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 KEY = "blocks.0.attn.out_proj.weight"  # matches the default matrix keys

@@ -5,10 +5,9 @@
     merging  <-  training                               (the phase-end operator, model.sync_merge, is a merge)
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
-    analysis, then what the commands run ("runners": sweep, evaluate_runs, demo, report, merge_command, prefetch,
-    command_options, the convert package; they move into mima/commands/ later, issue 37),
-    then the commands (mima/commands/: each command's parse and main, the COMMANDS table),
-    then the CLI (mima.cli, mima.__main__: parse and dispatch)
+    convert (reading pickled modules without running them; transformers CLIP <-> open_clip) above models
+    analysis, then the commands (mima/commands/: one module or package per command, its options, parse and
+    main, and what it runs; the COMMANDS table), then the CLI (mima.cli, mima.__main__: parse and dispatch)
     nothing imports the CLI, and only the CLI imports the commands
 """
 
@@ -39,9 +38,9 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": {"core", "data", "config", "models"},
     "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},
     "analysis": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools"},
-    "runners": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis"},
-    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "runners"},
-    "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "runners",
+    "convert": {"core", "data", "config", "models"},
+    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
+    "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
             "commands"},
     "package": set(),  # mima/__init__.py
 }
@@ -52,20 +51,11 @@ FORBIDDEN_LIBRARIES: dict[str, set[str]] = {
     "config": {"lightning", "open_clip", "matplotlib", "torchmetrics", "timm"},
     "data": {"lightning.pytorch.callbacks"},
 }
-# what the commands run, outside mima/commands/ for now (the "runners" layer)
-RUNNER_MODULES = {"mima.sweep", "mima.evaluate_runs", "mima.demo", "mima.report", "mima.merge_command", "mima.prefetch",
-                  "mima.command_options"}
-# packages that belong to the runners layer whole: the package and every module in it
-RUNNER_PACKAGES = {"mima.convert"}
-
-
 def layer_of(module: str) -> str:
     if module in ("mima", "mima.__init__"):
         return "package"
     if module in ("mima.cli", "mima.__main__"):
         return "cli"
-    if module in RUNNER_MODULES or any(module == package or module.startswith(package + ".") for package in RUNNER_PACKAGES):
-        return "runners"
     if module == "mima.pools":
         return "pools"
     parts = module.split(".")
@@ -140,12 +130,14 @@ def test_the_package_follows_its_import_rules():
         ("mima.merging.cart", "    from mima.data.registry import SUITES", "mima.merging.cart (merging) imports mima.data.registry (data)"),
         ("mima.core.plan", "import lightning", "mima.core.plan (core) imports lightning"),
         ("mima.merging.engine", "from open_clip import create_model", "mima.merging.engine (merging) imports open_clip"),
-        ("mima.report", "from mima.cli import main", "mima.report imports the CLI (mima.cli)"),
+        ("mima.commands.report.page", "from mima.cli import main", "mima.commands.report.page imports the CLI (mima.cli)"),
         ("mima.convert.pickle_reader", "    from mima.cli import main", "mima.convert.pickle_reader imports the CLI (mima.cli)"),
         ("mima.models.hf_clip", "from mima.convert.hf_conversion import HF_CONFIG",
-         "mima.models.hf_clip (models) imports mima.convert.hf_conversion (runners)"),
-        ("mima.demo", "from mima.commands.common import no_empty_folder_left",
-         "mima.demo (runners) imports mima.commands.common (commands)"),
+         "mima.models.hf_clip (models) imports mima.convert.hf_conversion (convert)"),
+        ("mima.convert.hf_writer", "from mima.commands.common import no_empty_folder_left",
+         "mima.convert.hf_writer (convert) imports mima.commands.common (commands)"),
+        ("mima.pools", "    from mima.commands.evaluate.runs import evaluate_runs",
+         "mima.pools (pools) imports mima.commands.evaluate.runs (commands)"),
         ("mima.analysis.cosine.command", "    from mima.commands import COMMANDS",
          "mima.analysis.cosine.command (analysis) imports mima.commands (commands)"),
         ("mima.commands.merge", "    from mima.cli import main", "mima.commands.merge imports the CLI (mima.cli)"),
@@ -191,7 +183,7 @@ def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
 
 
 # `mima fit`'s builder reads the task count to size the strategy before anything is fitted
-BUILDERS = {"mima.training.trainer", "mima.config.run_config"}
+BUILDERS = {"mima.config.run_config"}
 
 
 def cross_reads(sources: dict[str, str]) -> list[str]:
@@ -327,3 +319,41 @@ def test_the_cli_writes_no_command_name():
     written = {node.value for node in ast.walk(ast.parse((PACKAGE / "cli.py").read_text()))
                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
     assert written & set(names(COMMANDS) + names(DATA_COMMANDS)) == set()
+
+
+# ------------------------------------------------------------------------------- who parses argv
+ARGV_PARSERS = {"parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args"}
+
+
+def argv_parsing(module: str, source: str) -> list[str]:
+    """Where `source` parses a command line: an argparse parse call, `sys.argv`, or a LightningCLI
+    (which parses its arguments when built). Allowed only in mima/commands/, mima.cli and mima.__main__."""
+    if module.startswith("mima.commands") or module in ("mima.cli", "mima.__main__"):
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ARGV_PARSERS:
+            found.append(f"{module}:{node.lineno} calls {node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "argv" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            found.append(f"{module}:{node.lineno} reads sys.argv")
+        elif isinstance(node, ast.ClassDef) and any(isinstance(base, ast.Name) and base.id == "LightningCLI"
+                                                    for base in node.bases):
+            found.append(f"{module}:{node.lineno} defines a LightningCLI")
+    return found
+
+
+def test_only_the_commands_parse_argv():
+    sources = package_sources()
+    assert [line for module, source in sources.items() for line in argv_parsing(module, source)] == []
+
+
+@pytest.mark.parametrize("added, expected", [
+    ("import sys\nARGS = sys.argv[1:]", "reads sys.argv"),
+    ("def f(parser):\n    return parser.parse_args([])", "calls parse_args"),
+    ("from lightning.pytorch.cli import LightningCLI\nclass C(LightningCLI):\n    pass", "defines a LightningCLI"),
+])
+def test_an_added_argv_parser_is_caught(added, expected):
+    found = argv_parsing("mima.training.module", package_sources()["mima.training.module"] + "\n" + added + "\n")
+    assert len(found) == 1 and found[0].endswith(expected), found
+    assert argv_parsing("mima.commands.fit", added) == []

@@ -131,19 +131,19 @@ def test_the_catalogue_lists_every_registered_strategy_with_its_hyperparameters(
 
 
 def test_register_refuses_a_strategy_the_catalogue_does_not_list_as_it_is(monkeypatch):
-    from mima.merging.registry import MERGE_METHODS, MergeMethod, register
+    from mima.merging.registry import MERGE_METHODS, StreamingMerge, register
 
     stream = lambda models, base, **hp: iter(())  # noqa: E731
     with pytest.raises(ValueError, match="STRATEGIES must list it"):
-        register(MergeMethod("unlisted", "", "", False, defaults={"lam": 1.0}, stream_fn=stream))
-    monkeypatch.setitem(STRATEGIES, "listed", Strategy("listed", ("lam",)))
-    with pytest.raises(ValueError, match=r"hyperparameters \('lam', 'k'\)"):
-        register(MergeMethod("listed", "", "", False, defaults={"lam": 1.0, "k": 20.0}, stream_fn=stream))
+        register(StreamingMerge(name="unlisted", paper="", summary="", needs_base=False, stream_fn=stream))
+    monkeypatch.setitem(STRATEGIES, "listed", Strategy("listed", {"lam": float("nan")}))
+    with pytest.raises(ValueError, match="default lam=nan is not a finite number"):
+        register(StreamingMerge(name="listed", paper="", summary="", needs_base=False, stream_fn=stream))
     assert not {"unlisted", "listed"} & set(MERGE_METHODS)
 
 
 def test_convert_offers_the_activations_the_conversion_knows():
-    from mima.convert.options import ACTIVATIONS
+    from mima.commands.convert.options import ACTIVATIONS
     from mima.models.hf_clip import ACTIVATIONS as CONVERSION_ACTIVATIONS
 
     assert ACTIVATIONS == CONVERSION_ACTIVATIONS

@@ -119,7 +119,7 @@ def test_regmean_merges_the_linear_layers_that_run_and_averages_the_rest(pool, t
 
 
 def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_clip, capsys):
-    from mima.training.trainer import run_fit
+    from mima.commands.fit.run import run_fit
 
     run = run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=4, iterations=2)).run_dir
     out = tmp_path / "cart.safetensors"

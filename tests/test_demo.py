@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mima.cli import main
-from mima.demo import DEMO_MERGES
+from mima.commands.common import COMPARED_MERGES
 from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.selection import select_on_validation
@@ -31,7 +31,7 @@ def test_demo_shows_the_mima_effect(demo):
         assert (demo / name).is_file(), name
     rows = json.loads((demo / "results.json").read_text())
     assert all(set(row) == {"N", "model", "task", "accuracy", "mean_cos_tau"} for row in rows)
-    assert {row["model"] for row in rows} == {"zero_shot", "fine_tuned", "joint", *DEMO_MERGES}
+    assert {row["model"] for row in rows} == {"zero_shot", "fine_tuned", "joint", *COMPARED_MERGES}
     assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows)
 
     def mean(model, n):
@@ -41,7 +41,7 @@ def test_demo_shows_the_mima_effect(demo):
     assert cos[-1] - cos[0] > 0.3, cos  # alignment rises with N
     assert mean("uniform", 8) - mean("uniform", 1) >= 0.05  # the uniform merge gains >= 5 points
     assert abs(mean("fine_tuned", 8) - mean("fine_tuned", 1)) <= 0.03  # fine-tuned accuracy kept
-    assert all(mean("zero_shot", 1) < mean(m, 8) for m in DEMO_MERGES)
+    assert all(mean("zero_shot", 1) < mean(m, 8) for m in COMPARED_MERGES)
     # the joint baseline is one model (runs/joint), the same row at every N, and it learns the tasks
     assert len({mean("joint", n) for n in ITERATIONS}) == 1 and mean("joint", 1) > mean("zero_shot", 1) + 0.2
     assert RunFolder(demo / "runs" / "joint").is_joint()

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from mima.data import digits
-from mima.demo import demo_config
+from mima.commands.demo.run import demo_config
 from mima.evaluation.accuracy import TaskEvaluator
 from mima.models import embedded
 from mima.models.clip import load_clip

@@ -16,10 +16,10 @@ import torch
 from torchmetrics.classification import MulticlassAccuracy
 
 from mima.cli import main
-from mima.evaluate_runs import Unit, deal
+from mima.commands.evaluate.dealing import Unit, deal
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_cells
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 from tests.helpers import cli, run_command
 
@@ -152,6 +152,7 @@ def test_a_validation_subset_is_fixed_and_recorded(two_runs, tmp_path):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--devices", "100000"], "--devices 100000: this machine has"),
+    (["--devices", "0"], "--devices 0: expected at least 1 (see mima evaluate --help)"),
     (["--val-examples", "0"], "--val-examples 0: expected a positive number"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
 ])

@@ -7,6 +7,7 @@ touches no CUDA at all."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -18,12 +19,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mima.cli import main
 from mima.core.errors import MimaError
-from mima.evaluate_runs import Team, evaluate_runs
+from mima.commands.evaluate import parse
+from mima.commands.evaluate.runs import evaluate_runs
+from mima.commands.evaluate.team import Team, team_for
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped
-from mima.evaluation.device import claim_device, device_index, local_rank
+from mima.evaluation.device import claim_device, device_index
 from mima.evaluation.loader_pool import LoaderPool
 from mima.pools import task_pool
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "rot180", "rot270", "mirror"]
@@ -132,29 +135,60 @@ def test_a_pass_stopped_half_way_leaves_the_next_pass_exact(four_task_run):
     assert child_processes() - earlier == set()
 
 
-def test_the_workers_option_is_checked_in_one_line(tmp_path, capsys):
+def test_the_workers_option_is_checked_in_one_line(four_task_run, tmp_path, capsys):
     out = tmp_path / "table"
     assert main(["evaluate", str(tmp_path / "no-run"), "--out", str(out), "--num-workers", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-workers -1: expected 0 or more" in err[0], err
     assert not out.exists()
-    with pytest.raises(MimaError, match="--num-workers -3: expected 0 or more"):
-        evaluate_runs([tmp_path / "no-run"], out, ["uniform"], num_workers=-3)
+    # the options, however made, are checked when made (the command's checks live there, once)
+    with pytest.raises(MimaError, match=r"^--num-workers -3: expected 0 or more loader worker processes$"):
+        dataclasses.replace(parse([str(four_task_run), "--out", str(out)]), num_workers=-3)
+    # evaluate_runs called directly: its loader settings refuse it, before anything is written
+    with pytest.raises(MimaError, match=r"workers -3 .*expected >= 1 / >= 0 / >= 1"):
+        evaluate_runs([four_task_run], out, ["uniform"], num_workers=-3)
+    assert not out.exists()
 
 
-@pytest.mark.parametrize("environment, rank", [
-    ({}, 0),
-    ({"SLURM_LOCALID": "3"}, 3),  # srun
-    ({"LOCAL_RANK": "5", "SLURM_LOCALID": "0"}, 5),  # torchrun or Lightning inside a SLURM allocation
-    ({"LOCAL_RANK": " "}, 0),
-])
-def test_the_local_rank_comes_from_the_launcher(environment, rank):
-    assert local_rank(environment) == rank
+SRUN_TASK_1 = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "evaluate_sweep.sbatch", "SLURM_NTASKS": "2",
+               "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+               "SLURM_RESTART_COUNT": "3"}
 
 
-def test_a_garbled_local_rank_is_one_line():
-    with pytest.raises(MimaError, match=r"^LOCAL_RANK='one': expected the process's local rank, a whole number$"):
-        local_rank({"LOCAL_RANK": "one"})
+@pytest.fixture
+def launcher(monkeypatch):
+    """Sets a launcher's variables for team_for (none of this process's own)."""
+    for variable in [*SRUN_TASK_1, "LOCAL_RANK", Team.RANK_ENV, Team.WORLD_ENV, Team.SESSION_ENV]:
+        monkeypatch.delenv(variable, raising=False)
+
+    def set_environment(environment: dict) -> None:
+        for variable, value in environment.items():
+            monkeypatch.setenv(variable, value)
+    return set_environment
+
+
+def test_an_srun_task_is_its_own_rank_of_the_step(launcher):
+    launcher(SRUN_TASK_1)
+    team = team_for(None, ["runs/N1", "--out", "table"])
+    assert (team.rank, team.world, team.local_rank, team.session, team.argv) == (1, 2, 1, "slurm4242.0.r3", None)
+    assert team_for(2).world == 2
+    with pytest.raises(MimaError, match=r"^--devices 4: this srun step has 2 tasks \(one process each\); omit --devices$"):
+        team_for(4)
+
+
+def test_a_child_of_process_0_takes_its_rank_and_session(launcher):
+    launcher({**SRUN_TASK_1, Team.RANK_ENV: "3", Team.WORLD_ENV: "4", Team.SESSION_ENV: "host-1-2"})
+    team = team_for(4)
+    assert (team.rank, team.world, team.local_rank, team.session) == (3, 4, 3, "host-1-2")
+
+
+def test_one_process_by_hand_takes_its_launchers_local_rank(launcher):
+    launcher({"LOCAL_RANK": "1"})
+    team = team_for(None, ["runs/N1"])
+    assert (team.rank, team.world, team.local_rank, team.argv) == (0, 1, 1, None)
+    launcher({"LOCAL_RANK": "x"})
+    with pytest.raises(MimaError, match=r"^LOCAL_RANK='x': expected the process's local rank, a whole number$"):
+        team_for(None)
 
 
 @pytest.mark.parametrize("rank, visible, index", [

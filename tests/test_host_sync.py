@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 
 from mima.core.plan import PhasePlan
 from mima.core.run_folder import RunFolder
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 READS = ("item", "__float__", "tolist", "cpu")

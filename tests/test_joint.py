@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mima.core.run_folder import RunFolder
 from mima.data.sampler import stream_seed
 from mima.pools import task_pool
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "mirror"]

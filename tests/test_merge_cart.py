@@ -115,7 +115,7 @@ def test_cart_indexing_reconstruction_equals_the_official_rule_written_again():
     method = get_method("cart_indexing")
     index = method(models, rank_ratio=0.25)
     for t, model in enumerate(models):
-        rebuilt = method.reconstruct_fn(index, t)
+        rebuilt = method.reconstruct(index, t)
         for key, value in base.items():
             if not value.is_floating_point():
                 assert torch.equal(rebuilt[key], model[key])

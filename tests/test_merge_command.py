@@ -5,23 +5,28 @@ The flag checks run before any file is read, so most tests here need no checkpoi
 
 from __future__ import annotations
 
-import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from mima.cli import main
-from mima.command_options import add_merge_arguments
-from mima.merge_command import given_hyperparameters, report_results
+from mima.core.errors import MimaError
+from mima.commands.merge import parse
+from mima.commands.merge.options import MergeOptions
+from mima.commands.merge.run import check_hyperparameter_flags, report_results
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
 from mima.merging.selection import Selection
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mima merge")
-    add_merge_arguments(parser)
-    return parser
+def test_parse_gives_typed_options_with_the_hyperparameters_given():
+    options = parse(["--method", "ties", "--models", "a", "b", "--output", "o", "--lam", "0.5", "--trim", "per-tensor",
+                     "--overwrite"])
+    assert options == MergeOptions(method="ties", models=(Path("a"), Path("b")), output=Path("o"), overwrite=True,
+                                   hyperparameters={"lam": 0.5, "trim": "per-tensor"})
+    with pytest.raises(MimaError, match="unknown merge method 'nope'"):
+        parse(["--method", "nope", "--models", "a", "--output", "o"])
 
 
 def _one_line_error(argv, capsys, tmp_path) -> str:
@@ -51,14 +56,16 @@ def test_each_default_given_as_a_flag_parses_back_to_itself(method):
     for name, value in defaults.items():
         words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
         argv += [HYPERPARAMETERS[name].flag, *words]
-    given = given_hyperparameters(_parser().parse_args(argv), MERGE_METHODS[method])
+    given = parse(argv).hyperparameters
+    check_hyperparameter_flags(MERGE_METHODS[method], given)
     assert given == defaults
     assert all(type(given[name]) is type(value) for name, value in defaults.items())
 
 
 def test_several_values_for_a_many_valued_flag():
-    options = _parser().parse_args(["--method", "tall", "--models", "a", "--output", "o", "--mask-lam", "0.2", "0.5"])
-    assert given_hyperparameters(options, get_method("tall")) == {"mask_lam": [0.2, 0.5]}
+    options = parse(["--method", "tall", "--models", "a", "--output", "o", "--mask-lam", "0.2", "0.5"])
+    check_hyperparameter_flags(get_method("tall"), options.hyperparameters)
+    assert options.hyperparameters == {"mask_lam": [0.2, 0.5]}
 
 
 # A value outside each hyperparameter's documented range (`mima merge --help`), written here rather

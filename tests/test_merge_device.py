@@ -421,8 +421,8 @@ def test_the_gpu_equals_the_cpu_within_1e_5(method):
         torch.backends.cuda.matmul.allow_tf32 = saved
     on_cpu = strategy(models, base, device=torch.device("cpu"))
     if strategy.per_task:  # an index's SVD factors may differ by a pair's sign: compare the task models
-        on_gpu = {f"{t}/{k}": v for t in range(len(models)) for k, v in strategy.reconstruct_fn(on_gpu, t).items()}
-        on_cpu = {f"{t}/{k}": v for t in range(len(models)) for k, v in strategy.reconstruct_fn(on_cpu, t).items()}
+        on_gpu = {f"{t}/{k}": v for t in range(len(models)) for k, v in strategy.reconstruct(on_gpu, t).items()}
+        on_cpu = {f"{t}/{k}": v for t in range(len(models)) for k, v in strategy.reconstruct(on_cpu, t).items()}
     assert list(on_gpu) == list(on_cpu)
     for key in on_cpu:
         assert on_gpu[key].device.type == "cpu" and on_gpu[key].dtype == on_cpu[key].dtype, key

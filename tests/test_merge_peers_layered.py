@@ -151,7 +151,7 @@ def test_emr_by_hand():
     index = method(models, base)
     expected = [[2.8, -1.7, 1, 1, 1], [1, -3.5, 1, 1, -0.5], [3.5, 1, -1.5, 1, 1], [1, 1, 1, 1, 1]]
     for task, row in enumerate(expected):
-        torch.testing.assert_close(method.reconstruct_fn(index, task)["w"], torch.tensor(row, dtype=torch.float32))
+        torch.testing.assert_close(method.reconstruct(index, task)["w"], torch.tensor(row, dtype=torch.float32))
     assert [float(index[f"task{t}/rescaler"]) for t in range(4)] == pytest.approx([0.9, 1.5, 1.25, 0.0])
 
 
@@ -176,7 +176,7 @@ def _check_emr(index, base, models):
     unified, masks, rescalers = _numpy_emr(_taus(base, models))
     method = get_method("emr")
     for task in range(len(models)):
-        rebuilt = method.reconstruct_fn(index, task)
+        rebuilt = method.reconstruct(index, task)
         for key in FLOATING:
             expected = base[key].numpy() + unified[key] * masks[key][task] * rescalers[task]
             np.testing.assert_allclose(rebuilt[key].numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=key)

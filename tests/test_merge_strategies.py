@@ -174,7 +174,7 @@ def test_cart_indexing_reconstructs_each_task_from_its_truncated_centered_vector
     index = method(models, rank_ratio=0.25)  # 12 x 8 matrix: rank max(1, floor(0.25 * 8)) = 2
     average = {k: torch.stack([m[k].double() for m in models]).mean(0) for k in (MATRIX, "ln.weight", "proj")}
     for t, model in enumerate(models):
-        rebuilt = method.reconstruct_fn(index, t)
+        rebuilt = method.reconstruct(index, t)
         u, s, vh = np.linalg.svd((model[MATRIX].double() - average[MATRIX]).numpy(), full_matrices=False)
         expected = average[MATRIX].numpy() + (u[:, :2] * s[:2]) @ vh[:2]
         np.testing.assert_allclose(rebuilt[MATRIX].numpy(), expected, rtol=1e-4, atol=1e-5)
@@ -188,7 +188,7 @@ def test_tall_masks_reconstruct_theta0_plus_mask_times_the_sum():
     method = get_method("tall")
     index = method(models, base, mask_lam=[0.2, 0.4, 0.6])
     for t, lam in enumerate((0.2, 0.4, 0.6)):
-        rebuilt = method.reconstruct_fn(index, t)
+        rebuilt = method.reconstruct(index, t)
         for key in (MATRIX, "ln.weight", "proj"):
             masks, total = _numpy_masks(base, models, key, lam)
             np.testing.assert_allclose(rebuilt[key].numpy(), base[key].numpy() + masks[t] * total, rtol=1e-5, atol=1e-6)

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from mima.core.errors import MimaError
-from mima.merging import HYPERPARAMETERS, MERGE_METHODS, MergeMethod, get_method
+from mima.merging import (HYPERPARAMETERS, MERGE_METHODS, DataFreeMerge, DataMerge, PerTaskMerge, ScaledMerge, StreamingMerge,
+                          get_method)
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank
+from mima.merging.catalogue import STRATEGIES, Strategy
 from mima.merging.registry import register
 from mima.merging.selection import merge_with_defaults, select_on_validation
 
@@ -196,15 +198,52 @@ def test_a_wrong_value_is_rejected_naming_the_option(name):
         assert f"merge method '{method.name}': {name} must be {spec.meaning}, got {value!r}" in str(error.value)
 
 
-def test_register_refuses_undeclared_or_invalid_defaults():
+def test_register_refuses_undeclared_or_invalid_defaults(monkeypatch):
     stream = lambda models, base, **hp: iter(())  # noqa: E731
+    declarations = {"x1": Strategy("x1", {"colour": 1}), "x2": Strategy("x2", {"k": 0}),
+                    "x3": Strategy("x3", {"lam": 1.0}, grid={"lam": (1.0, float("nan"))}), "x4": Strategy("x4", {"k": 20.0})}
+    for name, declaration in declarations.items():
+        monkeypatch.setitem(STRATEGIES, name, declaration)
     with pytest.raises(ValueError, match="hyperparameter colour is not declared"):
-        register(MergeMethod("x1", "", "", False, defaults={"colour": 1}, stream_fn=stream))
+        register(StreamingMerge(name="x1", paper="", summary="", needs_base=False, stream_fn=stream))
     with pytest.raises(ValueError, match="default k=0 is not a percentage"):
-        register(MergeMethod("x2", "", "", False, defaults={"k": 0}, stream_fn=stream))
+        register(StreamingMerge(name="x2", paper="", summary="", needs_base=False, stream_fn=stream))
     with pytest.raises(ValueError, match="grid of lam"):
-        register(MergeMethod("x3", "", "", False, defaults={"lam": 1.0}, grid={"lam": (1.0, float("nan"))}, stream_fn=stream))
-    assert not {"x1", "x2", "x3"} & set(MERGE_METHODS)
+        register(StreamingMerge(name="x3", paper="", summary="", needs_base=False, stream_fn=stream))
+    with pytest.raises(ValueError, match="a ScaledMerge takes lam"):
+        register(ScaledMerge(name="x4", paper="", summary="", needs_base=False, scaled_fn=stream))
+    with pytest.raises(ValueError, match="STRATEGIES must list it"):
+        register(StreamingMerge(name="unlisted", paper="", summary="", needs_base=False, stream_fn=stream))
+    assert not {"x1", "x2", "x3", "x4", "unlisted"} & set(MERGE_METHODS)
+
+
+def test_each_kind_merges_through_its_own_entry_points():
+    """The kinds are types: data-free ones stream, a scaled one sweeps, a per-task one reconstructs, a
+    data-dependent one refuses to merge without a pool; none needs to be asked which function it holds."""
+    base, models = _models(3, seed=2)
+    kinds = {name: type(method) for name, method in MERGE_METHODS.items()}
+    assert kinds["uniform"] is StreamingMerge and kinds["ties"] is ScaledMerge
+    assert kinds["tall"] is PerTaskMerge and issubclass(kinds["fw_merging"], DataMerge)
+    assert all(issubclass(kind, DataFreeMerge) == (not m.needs_data and not m.per_task)
+               for kind, m in zip(kinds.values(), MERGE_METHODS.values()))
+    floating = [key for key, value in base.items() if value.is_floating_point()]
+    uniform = dict(get_method("uniform").stream(models))
+    for key in floating:
+        torch.testing.assert_close(uniform[key], sum(model[key] for model in models) / 3, rtol=0, atol=1e-6)
+    ta = get_method("task_arithmetic")
+    (setting, anchor, direction), = ta.sweep(models, base, {})
+    assert setting == {}
+    merged_ta = ta(models, base, lam=0.3)
+    for key in floating:
+        merged = merged_ta[key]
+        expected = base[key] + 0.3 * sum(model[key] - base[key] for model in models)
+        torch.testing.assert_close(merged, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(anchor[key] + 0.3 * direction[key], merged, rtol=0, atol=1e-6)
+    with pytest.raises(MimaError, match="keeps one model per task"):
+        get_method("tall").stream(models, base)
+    with pytest.raises(MimaError, match="needs task data"):
+        get_method("fisher").merge(models)
+    assert not hasattr(get_method("uniform"), "scaled_fn")  # the kind is the type: no optional entry points
 
 
 def test_selection_keeps_the_best_grid_point_and_merges_with_it():

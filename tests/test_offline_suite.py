@@ -306,7 +306,7 @@ def test_offline_config_fits_with_probe_heads_and_frozen_statistics(tmp_path):
     require_assets("mobilenet", "mnist")
     from mima.core.run_folder import RunFolder
     from mima.pools import task_pool
-    from mima.training.trainer import run_fit
+    from mima.commands.fit.run import run_fit
 
     config = yaml.safe_load((ROOT / "configs" / "offline.yaml").read_text())
     config["model"].update(steps=4, iterations=2, warmup_steps=1)

@@ -18,7 +18,7 @@ from huggingface_hub.file_download import repo_folder_name
 from mima.cli import main
 from mima.core.errors import MimaError
 from mima.models.clip import cached_pretrained_file, fetch_pretrained, load_clip, safetensors_alternatives
-from mima.prefetch import prefetch
+from mima.commands.prefetch.fetch import prefetch
 from mima.config.run_config import load_run_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import yaml
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import save_state_dict
 from mima.models.clip import load_clip, resolve_quick_gelu, weights_record_file, write_weights_record
-from mima.prefetch import copy_weights
+from mima.commands.prefetch.fetch import copy_weights
 
 from tests.helpers import assert_one_line, cli
 

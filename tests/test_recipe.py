@@ -22,9 +22,10 @@ from mima.data.clip_tasks import TASKS as CLIP_TASKS
 from mima.data.image_folder import FolderTask, folder_task_spec
 from mima.data.tasks import LoadOptions
 from mima.merging import get_method
-from mima.models.clip import default_cache_dir, load_clip
+from mima.core.cache_dir import default_cache_dir
+from mima.models.clip import load_clip
 from mima.models.heads import task_heads
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import SMALL_CLIP_CFG, fit_config, save_local_dir_clip
 
 REPO = Path(__file__).resolve().parents[1]

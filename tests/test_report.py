@@ -8,8 +8,8 @@ import re
 import pytest
 
 from mima.cli import main
-from mima.evaluate_runs import evaluate_runs
-from mima.training.trainer import run_fit
+from mima.commands.evaluate.runs import evaluate_runs
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 TASKS = ["rot90", "mirror"]
@@ -160,19 +160,19 @@ def test_report_with_out_writes_nothing_beside_a_read_only_run(sweep, tmp_path):
 
 
 def test_a_failed_report_leaves_the_previous_one_as_it_was(sweep, tmp_path, monkeypatch):
-    import mima.report
+    import mima.commands.report.page
 
     from tests.helpers import unchanged
 
     run = _copy_run(sweep / "runs" / "N1", tmp_path / "run")
     page = tmp_path / "page"
     assert main(["report", str(run), "--out", str(page)]) == 0
-    monkeypatch.setattr(mima.report, "render_markdown", lambda *args: "a new page")
+    monkeypatch.setattr(mima.commands.report.page, "render_markdown", lambda *args: "a new page")
 
     def fail(*args):
         raise RuntimeError("the html page failed")
 
-    monkeypatch.setattr(mima.report, "render_html", fail)
+    monkeypatch.setattr(mima.commands.report.page, "render_html", fail)
     with unchanged(tmp_path):
         with pytest.raises(RuntimeError, match="the html page failed"):
             main(["report", str(run), "--out", str(page), "--overwrite"])

@@ -110,9 +110,9 @@ def test_a_layout_change_that_keeps_the_processes_per_task_is_harmless():
     from functools import partial
 
     from mima.config.config_changes import compare_configs
-    from mima.training.trainer import _same_layout
+    from mima.training.trainer import same_layout
 
-    four_tasks, two_tasks = partial(_same_layout, num_tasks=4), partial(_same_layout, num_tasks=2)
+    four_tasks, two_tasks = partial(same_layout, num_tasks=4), partial(same_layout, num_tasks=2)
     stored = {"trainer": {"devices": 2, "num_nodes": 1}, "model": {"lr": 0.1}}
     moved = {"trainer": {"devices": 1, "num_nodes": 2}, "model": {"lr": 0.1}}
     changes = compare_configs(stored, moved, two_tasks)

@@ -18,7 +18,7 @@ from mima.data.datamodule import TaskSuiteDataModule
 from mima.pools import model_pool
 from mima.training.module import MimaModule
 from mima.config.run_config import load_run_config
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 
 FIXTURES = Path(__file__).parent / "fixtures"

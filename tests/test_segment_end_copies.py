@@ -34,7 +34,7 @@ from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_format import state_writer
 from mima.training.phase_state import HostArena, HostBuffers
 from mima.training.sync import MimaSyncCallback
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 from tests.helpers import assert_trained
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.core.safetensors_io import load_state_dict, read_metadata
 from mima.training.module import MimaModule
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 from tests.helpers import assert_trained, finals
 

@@ -4,7 +4,25 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What add_model_arguments declares."""
+
+    models: tuple[Path, ...]  # one run folder, or .safetensors files
+    base: Path | None  # theta_0; None: the run folder's
+    config: Path | None  # the tasks, with .safetensors files
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What add_output_arguments declares (and every analysis has)."""
+
+    out: Path | None  # None: the run folder's analysis folder for the analysis
+    overwrite: bool
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, nargs: str = "+") -> None:

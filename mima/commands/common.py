@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -123,3 +124,14 @@ def one_line(error: MimaError) -> str:
         return text
     last = text.splitlines()[-1]
     return last.split(f"{MimaError.__name__}: ", 1)[-1]
+
+# the data-free merges the demo and `mima evaluate` compare unless --merges names others (the foundation merges)
+COMPARED_MERGES = ("uniform", "task_arithmetic", "ties", "cart")
+
+
+def device_spelling(text: str) -> str:
+    """A device as the merge commands spell it (checked without torch; whether this machine has it is
+    checked when the command runs, mima.merging.engine.merge_device)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text.strip().lower()) is None:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mima.commands.common import OneLineParser, frozen_options
-from mima.config.defaults import AUTO
+from mima.config.defaults import AUTO, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.source import check_config_source
 from mima.core.errors import MimaError
 
@@ -71,7 +71,7 @@ def main(argv: Sequence[str]) -> None:
     check_config_source(options.config)
     import json
 
-    import mima.training.trainer  # noqa: F401  (the fit stack: its import is part of a process's host memory)
+    import mima.commands.fit.run  # noqa: F401  (the fit stack: its import is part of a process's host memory)
     from mima.config.run_config import load_run_config
     from mima.training.resource_plan import format_plan, plan_for_config
     from mima.training.checkpoint_callback import SaveSchedule
@@ -87,8 +87,8 @@ def main(argv: Sequence[str]) -> None:
     if options.iterations is not None:
         config.model.iterations = options.iterations
     trainer = dict(config.other.get("trainer") or {})
-    devices = options.devices if options.devices is not None else trainer.get("devices", 1)
-    nodes = options.num_nodes if options.num_nodes is not None else trainer.get("num_nodes", 1)
+    devices = options.devices if options.devices is not None else trainer.get("devices", DEVICES_DEFAULT)
+    nodes = options.num_nodes if options.num_nodes is not None else trainer.get("num_nodes", NUM_NODES_DEFAULT)
     if not str(devices).isdigit() or not str(nodes).isdigit():
         raise MimaError(f"trainer.devices={devices!r}, trainer.num_nodes={nodes!r}: give numbers "
                         "(--trainer.devices W --trainer.num_nodes M) to plan for")

@@ -15,3 +15,12 @@ AUTO = "auto"
 CHECKPOINT_EVERY_DEFAULT = AUTO
 CHECKPOINT_EVERY_ON_GPU = "30min"
 CHECKPOINT_EVERY_ON_CPU = "segment"
+
+# --collective_timeout: seconds a collective (and a sync's agreement) may wait for the other processes
+# before the run fails, so a dead process cannot hang it (as Lightning's DDP default)
+COLLECTIVE_TIMEOUT_S = 1800
+
+# trainer.devices and trainer.num_nodes where a config gives none: one process on one node (`mima fit`
+# sets the devices, Lightning's own default being "auto"; the nodes are Lightning's default)
+DEVICES_DEFAULT = 1
+NUM_NODES_DEFAULT = 1

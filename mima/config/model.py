@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 from mima.core.errors import MimaError
 from mima.core.plan import phase_lengths, task_phase_lengths
+from mima.core.run_folder import JOINT
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
 ScheduleScope = Literal["run", "phase"]
 OptimizerState = Literal["reset", "keep"]
-TrainingMode = Literal["mima", "joint"]
+TrainingMode = Literal["mima", "joint"]  # a type spells its values; "joint" is mima.core.run_folder.JOINT
 PhaseSchedule = Literal["equal", "geometric"]
 BatchNormMode = Literal["frozen", "train"]
 
@@ -123,7 +124,7 @@ class ModelSettings:
         # a map is checked against its own task names here; that they are the run's tasks, where those are known
         names = list(self.steps) if isinstance(self.steps, dict) else ["every task"]
         shortest = min(min(lengths) for lengths in self.task_lengths(names))
-        if isinstance(self.steps, dict) and self.mode == "joint":
+        if isinstance(self.steps, dict) and self.mode == JOINT:
             raise MimaError("model.steps: the joint baseline trains one model on every task at once; give one number of "
                             "steps, not a map of per-task budgets")
         if self.lr <= 0:

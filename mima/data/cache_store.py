@@ -47,12 +47,6 @@ SPLITS = ("train", "val", "test")
 BUILD_BATCH = 64
 
 
-def default_data_cache_dir() -> Path:
-    """$MIMA_CACHE_DIR/data or ~/.cache/mima/data (mima.models.clip.default_cache_dir's folder; the
-    data layer does not import mima.models)."""
-    return Path(os.environ.get("MIMA_CACHE_DIR", Path.home() / ".cache" / "mima")) / "data"
-
-
 # ---------------------------------------------------------------------------- transforms
 @dataclass(frozen=True)
 class EvalGeometry:

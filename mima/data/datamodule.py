@@ -15,7 +15,8 @@ from mima.core.plan import PhasePlan, phase_lengths, plan_for_budgets
 from mima.core.settings import takes_settings
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
-from mima.data.cache_store import CachedTask, default_data_cache_dir, eval_geometry, load_cached_task
+from mima.core.cache_dir import default_data_cache_dir
+from mima.data.cache_store import CachedTask, eval_geometry, load_cached_task
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.settings import DataSettings

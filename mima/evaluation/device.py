@@ -1,36 +1,19 @@
 """The device an evaluation process computes on, claimed before anything touches CUDA.
 
 Several evaluation processes on one node take one GPU each, chosen by the process's local rank (its
-index among the processes of its node). The choice must be made current (`torch.cuda.set_device`)
-before the first CUDA call: otherwise the process opens a context on GPU 0 as well (the DataLoader's
-pin-memory thread, autocast and every allocation without an index use the current device), and
-eight processes crowd one GPU. Where the cluster binds one GPU to each process (`--gpus-per-task=1`:
-`CUDA_VISIBLE_DEVICES` has one entry), that GPU is index 0 in every process, whatever its local rank.
+index among the processes of its node, as mima.core.environment.local_rank reads it). The choice
+must be made current (`torch.cuda.set_device`) before the first CUDA call: otherwise the process
+opens a context on GPU 0 as well (the DataLoader's pin-memory thread, autocast and every allocation
+without an index use the current device), and eight processes crowd one GPU. Where the cluster binds
+one GPU to each process (`--gpus-per-task=1`: `CUDA_VISIBLE_DEVICES` has one entry), that GPU is
+index 0 in every process, whatever its local rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from mima.core.errors import MimaError
-
-# what launchers set: torchrun and Lightning LOCAL_RANK, srun SLURM_LOCALID (first one set wins)
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
-
-
-def local_rank(environment: Mapping[str, str]) -> int:
-    """This process's index among the processes of its node, as its launcher set it; 0 for a process
-    a user started."""
-    for variable in LOCAL_RANK_VARIABLES:
-        value = environment.get(variable, "")
-        if value.strip():
-            try:
-                return int(value)
-            except ValueError:
-                raise MimaError(f"{variable}={value!r}: expected the process's local rank, a whole number") from None
-    return 0
 
 
 def device_index(rank_on_node: int, visible_gpus: int) -> int:

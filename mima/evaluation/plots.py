@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mima.core.run_folder import JOINT  # noqa: E402
 from mima.evaluation.results import ModelResult  # noqa: E402
 
 
@@ -18,9 +19,9 @@ def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
     n_values = sorted({r.N for r in results})
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     styles = {"fine_tuned": dict(color="black", linestyle="--"), "zero_shot": dict(color="grey", linestyle=":"),
-              "joint": dict(color="black", linestyle="-.", marker="")}
+              JOINT: dict(color="black", linestyle="-.", marker="")}
     labels = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)",
-              "joint": "joint multi-task training (one model, same S)"}
+              JOINT: "joint multi-task training (one model, same S)"}
     for model in dict.fromkeys(r.model for r in results):
         # one point per N: the mean over that N's seeds, with the sample standard deviation as an error bar
         by_n: dict[int, list[float]] = {}

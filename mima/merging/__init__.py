@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 
-_REGISTRY_NAMES = ("HYPERPARAMETERS", "MERGE_METHODS", "Hyperparameter", "MergeMethod", "MergeOutput", "get_method")
+_REGISTRY_NAMES = ("HYPERPARAMETERS", "MERGE_METHODS", "Hyperparameter", "MergeMethod", "MergeOutput", "get_method",
+                   # the kinds of merge method (mima.merging.registry)
+                   "DataFreeMerge", "StreamingMerge", "ScaledMerge", "PerTaskMerge", "DataMerge")
 
 __all__ = [*_REGISTRY_NAMES, "Pool"]
 

@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.common import is_matrix_key, task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.catalogue import DEFAULT_ACE_MATRIX_KEYS
+from mima.merging.common import matrices_merged
+from mima.merging.registry import ScaledMerge, register
 
-# Every 2-D tensor but the CLIP text projection (the reference's `"text_projection" not in layer`).
-DEFAULT_ACE_MATRIX_KEYS = r"^(?!.*text_projection).*$"
 # The reference's fixed threshold on the spread of the tasks' log squared norms.
 HETEROGENEITY_THRESHOLD = 0.3
 # The reference's guards against log(0) and division by zero.
@@ -114,23 +113,16 @@ def isotropic_refinement(fused: torch.Tensor, rank_fraction: float) -> torch.Ten
 
 def ace(models, base, ace_epsilon: float, ace_rank_fraction: float, matrix_keys: str = DEFAULT_ACE_MATRIX_KEYS):
     """(key, theta_0, ACE merged task vector or None) per key."""
-    for key, anchor, taus in task_vectors_by_key(models, base):
-        if taus is None:
-            yield key, anchor, None
-        elif is_matrix_key(key, anchor, matrix_keys):
-            yield key, anchor, ace_matrix(taus, ace_epsilon, ace_rank_fraction)
-        else:
-            yield key, anchor, torch.stack(taus).mean(dim=0)
+    return matrices_merged(models, base, matrix_keys, lambda taus: ace_matrix(taus, ace_epsilon, ace_rank_fraction))
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="ace",
         paper="https://arxiv.org/abs/2603.02945",
         summary="per matrix: closed-form merge with input covariances estimated from the task vectors, "
         "plus an isotropic spectral refinement where the tasks' update energies differ",
         needs_base=True,
-        defaults={"lam": 1.0, "ace_epsilon": 1e-2, "ace_rank_fraction": 0.3, "matrix_keys": DEFAULT_ACE_MATRIX_KEYS},
         scaled_fn=ace,
     )
 )

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from mima.core.linalg import low_rank
-from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_matrices, cart_rank
+from mima.merging.cart import cart_matrices, cart_rank
 from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
+from mima.merging.registry import DataMerge, MergeOutput, floating_keys, register
 
 BATCH_SIZE, BATCHES_PER_TASK = 16, 2
 
@@ -155,23 +155,20 @@ def adamerging_cart(models, base, pool: Pool, granularity: str, steps: int, lr: 
 
 
 register(
-    MergeMethod(
+    DataMerge(
         name="adamerging",
         paper="https://arxiv.org/abs/2310.02575",
         summary="task- or layer-wise coefficients learnt by entropy minimisation on unlabelled inputs",
         needs_base=True,
-        defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 0.3, "adapt_on": "test"},
         data_fn=adamerging,
     )
 )
 register(
-    MergeMethod(
+    DataMerge(
         name="adamerging_cart",
         paper="https://arxiv.org/abs/2412.12153",
         summary="AdaMerging on CART's centered rank-reduced vectors (paper 000, eq. 8)",
         needs_base=False,
-        defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 1.0, "adapt_on": "test",
-                  "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
         data_fn=adamerging_cart,
     )
 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mima.merging.common import summed_task_vectors
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 
 def breadcrumb_mask(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -36,13 +36,11 @@ def breadcrumbs(models, base, density: float, gamma: float):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="breadcrumbs",
         paper="https://arxiv.org/abs/2312.06795",
         summary="drop each row's largest and smallest task-vector entries, then task arithmetic",
         needs_base=True,
-        defaults={"lam": 0.2, "density": 0.15, "gamma": 0.006},
-        grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))},
         scaled_fn=breadcrumbs,
         entrywise=True,
     )

@@ -35,7 +35,7 @@ from mima.core.errors import MimaError
 from mima.core.linalg import low_rank, svd
 from mima.merging.common import check_matrix_keys, is_matrix_key, mean_tensor, some_keys, tensor_headers, two_d_keys
 from mima.merging.catalogue import DEFAULT_MATRIX_KEYS
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 RULE = "2-D tensors whose key contains 'attn' or 'mlp' and neither 'ln' nor 'bias'"
 
@@ -139,13 +139,11 @@ def _cart_sweep(models, ratios: list[float], matrices: set[str]):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="cart",
         paper="https://arxiv.org/abs/2412.12153",
         summary="average plus lam times the rank-reduced centered task vectors",
         needs_base=False,
-        defaults={"lam": 1.0, "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
-        grid={"rank_ratio": (0.04, 0.08, 0.16, 0.32), "lam": tuple(round(1.0 + 0.2 * i, 1) for i in range(11))},
         scaled_fn=cart,
         sweep_fn=cart_sweep,
     )

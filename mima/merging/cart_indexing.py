@@ -24,7 +24,7 @@ import torch
 from mima.core.linalg import svd
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_matrices, cart_rank
 from mima.merging.common import index_entries, mean_tensor
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import PerTaskMerge, register
 
 
 def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRIX_KEYS) -> dict[str, torch.Tensor]:
@@ -62,12 +62,11 @@ def cart_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, 
 
 
 register(
-    MergeMethod(
+    PerTaskMerge(
         name="cart_indexing",
         paper="https://arxiv.org/abs/2412.12153",
         summary="shared average plus each task's rank-reduced centered vector (one model per task)",
         needs_base=False,
-        defaults={"rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
         index_fn=cart_index,
         reconstruct_fn=cart_reconstruct,
     )

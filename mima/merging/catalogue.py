@@ -1,12 +1,13 @@
-"""What the command line knows of the merge strategies without importing them (or torch): their
-names, the module that registers each, the hyperparameters each takes, and those hyperparameters'
-declarations.
+"""What the command line knows of the merge strategies without importing them (or torch): the
+declaration of every strategy (its name, the module that implements it, the hyperparameters it takes
+with their defaults, the grid its paper searches) and of every hyperparameter (check, meaning, flag).
 
-`mima merge --help` and the other parsers are built from this module alone, so that help and argument
-errors answer before torch is imported. The strategies themselves live in their modules and register
-in mima.merging.registry, which checks every registration against STRATEGIES (a strategy missing here,
-or taking other hyperparameters than listed, fails at import) and, once all are loaded, that every
-name here was registered: the table and the strategies cannot drift apart.
+This is the one place a strategy's hyperparameters are written. `mima merge --help` and the other
+parsers are built from this module alone, so that help and argument errors answer before torch is
+imported; a strategy's module implements it and registers it in mima.merging.registry under its
+declared name, where the method reads its `defaults` and `grid` from here. The registry checks each
+declaration as the strategy registers (defaults and grid values its hyperparameters accept) and, once
+all are loaded, that every name here was registered.
 """
 
 from __future__ import annotations
@@ -14,54 +15,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mima.core.errors import MimaError
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A registered merge strategy as the command line sees it."""
+    """A merge strategy's declaration: where it is implemented and the hyperparameters it takes."""
 
-    module: str  # the module of mima.merging that registers it
-    hyperparameters: tuple[str, ...]  # the names it takes (its `defaults`), in its order
+    module: str  # the module of mima.merging that implements and registers it
+    defaults: Mapping[str, object] = field(default_factory=dict)  # every hyperparameter it takes, with its default
+    grid: Mapping[str, tuple] = field(default_factory=dict)  # the paper's values, searched on validation data
 
-
-# name -> Strategy, in the order the modules are loaded (so the registry fills in this order)
-STRATEGIES: dict[str, Strategy] = {
-    "ace": Strategy("ace", ("lam", "ace_epsilon", "ace_rank_fraction", "matrix_keys")),
-    "cart": Strategy("cart", ("lam", "rank_ratio", "matrix_keys")),
-    "adamerging": Strategy("adamerging", ("granularity", "steps", "lr", "prior", "adapt_on")),
-    "adamerging_cart": Strategy("adamerging", ("granularity", "steps", "lr", "prior", "adapt_on", "rank_ratio", "matrix_keys")),
-    "breadcrumbs": Strategy("breadcrumbs", ("lam", "density", "gamma")),
-    "cart_indexing": Strategy("cart_indexing", ("rank_ratio", "matrix_keys")),
-    "consensus": Strategy("consensus", ("lam", "mask_lam", "min_tasks")),
-    "ties": Strategy("ties", ("lam", "k", "trim")),
-    "dare_task_arithmetic": Strategy("dare", ("lam", "drop", "seed")),
-    "dare_ties": Strategy("dare", ("lam", "drop", "seed", "k", "trim")),
-    "della": Strategy("della", ("lam", "density", "epsilon", "seed")),
-    "emr": Strategy("emr", ()),
-    "fisher": Strategy("fisher", ("examples",)),
-    "task_arithmetic": Strategy("task_arithmetic", ("lam",)),
-    "fw_merging": Strategy("fw_merging", ("mode", "iterations", "step_size", "lam", "examples", "start", "ada_steps", "lr")),
-    "iso_c": Strategy("iso_c", ("lam", "matrix_keys")),
-    "iso_cts": Strategy("iso_cts", ("lam", "common_space_fraction", "matrix_keys")),
-    "lines": Strategy("lines", ("base_merge", "lines_alpha", "lines_beta", "block_keys")),
-    "magmax": Strategy("magmax", ("lam",)),
-    "model_stock": Strategy("model_stock", ()),
-    "regmean": Strategy("regmean", ("examples", "alpha")),
-    "regmean_plus_plus": Strategy("regmean_plus_plus", ("examples", "alpha", "block_keys")),
-    "svc": Strategy("svc", ("inner_merge", "inner_hparams", "svc_alpha", "matrix_keys")),
-    "tall": Strategy("tall", ("mask_lam",)),
-    "tsv": Strategy("tsv", ("lam", "matrix_keys")),
-    "uniform": Strategy("uniform", ()),
-    "wudi": Strategy("wudi", ("steps", "lr", "matrix_keys")),
-}
-
-def check_method_name(name: str) -> None:
-    """Refuse, in one line, a name that is not a merge strategy's."""
-    if name not in STRATEGIES:
-        raise MimaError(f"unknown merge method '{name}' (known: {', '.join(sorted(STRATEGIES))})")
+    @property
+    def hyperparameters(self) -> tuple[str, ...]:
+        """The names it takes, in its order."""
+        return tuple(self.defaults)
 
 
 # The default of `matrix_keys` of CART and the merges built on it: the official rule
@@ -69,6 +39,77 @@ def check_method_name(name: str) -> None:
 # sweep's --matrix-keys). `is_matrix` applies the rule itself when given this value; `test_merge_cart.py`
 # checks that both agree.
 DEFAULT_MATRIX_KEYS = r"^(?=[\s\S]*(?:attn|mlp))(?![\s\S]*(?:ln|bias))"
+# The pattern of "every 2-D tensor is a matrix" (Iso-C, Iso-CTS and WUDI's reference default).
+EVERY_MATRIX = r".*"
+# TSV's reference: every 2-D tensor but the CLIP text projection.
+DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
+# ACE's reference: every 2-D tensor but the CLIP text projection (`"text_projection" not in layer`).
+DEFAULT_ACE_MATRIX_KEYS = r"^(?!.*text_projection).*$"
+# SVC's authors' rule: 2-D, and neither the text projection nor an embedding.
+DEFAULT_SVC_MATRIX_KEYS = r"^(?!.*(?:text_projection|embedding)).*$"
+# The tensors of residual block <index> (LiNeS, RegMean++).
+DEFAULT_BLOCK_KEYS = r"blocks\.(\d+)\."
+# FW-Merging's default iterations per mode: paper 002's vision settings (its method takes the mode's
+# when none is given: mima.merging.fw_merging).
+ITERATIONS = {"hard": 3, "soft": 15}
+# Iso-C and Iso-CTS's lambda grid: the authors' alpha search, np.linspace(0.0, 3.0, 31)[1:].
+ISO_LAM_GRID = tuple(round(0.1 * i, 1) for i in range(1, 31))
+
+
+# name -> Strategy, in the order the modules are loaded (so the registry fills in this order)
+STRATEGIES: dict[str, Strategy] = {
+    "ace": Strategy("ace", {"lam": 1.0, "ace_epsilon": 1e-2, "ace_rank_fraction": 0.3,
+                            "matrix_keys": DEFAULT_ACE_MATRIX_KEYS}),
+    "cart": Strategy("cart", {"lam": 1.0, "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
+                     grid={"rank_ratio": (0.04, 0.08, 0.16, 0.32), "lam": tuple(round(1.0 + 0.2 * i, 1) for i in range(11))}),
+    "adamerging": Strategy("adamerging", {"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 0.3,
+                                          "adapt_on": "test"}),
+    "adamerging_cart": Strategy("adamerging", {"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 1.0,
+                                               "adapt_on": "test", "rank_ratio": 0.08,
+                                               "matrix_keys": DEFAULT_MATRIX_KEYS}),
+    "breadcrumbs": Strategy("breadcrumbs", {"lam": 0.2, "density": 0.15, "gamma": 0.006},
+                            grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))}),
+    "cart_indexing": Strategy("cart_indexing", {"rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS}),
+    "consensus": Strategy("consensus", {"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
+                          grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 11))}),
+    "ties": Strategy("ties", {"lam": 1.0, "k": 20.0, "trim": "global"},
+                     grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
+    "dare_task_arithmetic": Strategy("dare", {"lam": 0.3, "drop": 0.5, "seed": 0},
+                                     grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))}),
+    "dare_ties": Strategy("dare", {"lam": 1.0, "drop": 0.5, "seed": 0, "k": 20.0, "trim": "global"},
+                          grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
+    "della": Strategy("della", {"lam": 1.0, "density": 0.5, "epsilon": 0.15, "seed": 0},
+                      grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
+    "emr": Strategy("emr"),
+    "fisher": Strategy("fisher", {"examples": 256}),
+    "task_arithmetic": Strategy("task_arithmetic", {"lam": 0.4},
+                                grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))}),
+    "fw_merging": Strategy("fw_merging", {"mode": "hard", "iterations": ITERATIONS["hard"], "step_size": 0.1, "lam": 0.3,
+                                          "examples": 100, "start": "adamerging", "ada_steps": 500, "lr": 1e-3}),
+    "iso_c": Strategy("iso_c", {"lam": 1.0, "matrix_keys": EVERY_MATRIX}, grid={"lam": ISO_LAM_GRID}),
+    "iso_cts": Strategy("iso_cts", {"lam": 1.0, "common_space_fraction": 0.8, "matrix_keys": EVERY_MATRIX},
+                        grid={"lam": ISO_LAM_GRID}),
+    "lines": Strategy("lines", {"base_merge": "task_arithmetic", "lines_alpha": "auto", "lines_beta": 0.5,
+                                "block_keys": DEFAULT_BLOCK_KEYS},
+                      grid={"lines_beta": tuple(round(0.1 * i, 1) for i in range(1, 16))}),
+    "magmax": Strategy("magmax", {"lam": 0.5}, grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))}),
+    "model_stock": Strategy("model_stock"),
+    "regmean": Strategy("regmean", {"examples": 256, "alpha": 0.6}),
+    "regmean_plus_plus": Strategy("regmean_plus_plus", {"examples": 256, "alpha": 0.95, "block_keys": DEFAULT_BLOCK_KEYS}),
+    "svc": Strategy("svc", {"inner_merge": "task_arithmetic", "inner_hparams": "", "svc_alpha": 0.1,
+                            "matrix_keys": DEFAULT_SVC_MATRIX_KEYS}),
+    "tall": Strategy("tall", {"mask_lam": 0.4}, grid={"mask_lam": (0.2, 0.3, 0.4, 0.5, 0.6)}),
+    "tsv": Strategy("tsv", {"lam": 1.0, "matrix_keys": DEFAULT_TSV_MATRIX_KEYS},
+                    grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 31))}),
+    "uniform": Strategy("uniform"),
+    "wudi": Strategy("wudi", {"steps": 300, "lr": 1e-5, "matrix_keys": EVERY_MATRIX}),
+}
+
+
+def check_method_name(name: str) -> None:
+    """Refuse, in one line, a name that is not a merge strategy's."""
+    if name not in STRATEGIES:
+        raise MimaError(f"unknown merge method '{name}' (known: {', '.join(sorted(STRATEGIES))})")
 
 
 def _finite(value) -> bool:

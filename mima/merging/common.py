@@ -42,6 +42,29 @@ def task_vectors_by_key(models: Sequence[TensorMap], base: TensorMap):
         yield key, anchor, [model[key].float() - anchor.float() for model in models]
 
 
+def matrices_merged(models: Sequence[TensorMap], base: TensorMap, matrix_keys: str,
+                    merge_matrix: Callable[[list[torch.Tensor]], torch.Tensor]):
+    """(key, theta_0, merged task vector or None) per key: `merge_matrix` of the task vectors of each
+    matrix that `matrix_keys` selects, their mean for every other float tensor (the reference
+    implementations of Iso-C, Iso-CTS, TSV and ACE all average what is not such a matrix)."""
+    for key, anchor, taus in task_vectors_by_key(models, base):
+        if taus is None:
+            yield key, anchor, None
+        elif is_matrix_key(key, anchor, matrix_keys):
+            yield key, anchor, merge_matrix(taus)
+        else:
+            yield key, anchor, torch.stack(taus).mean(dim=0)
+
+
+def indexed_task_vectors(models: Sequence[TensorMap], base: TensorMap, index: dict[str, torch.Tensor]):
+    """(key, the stacked task vectors [T, ...]) per float key of `base`, with every key's theta_0
+    stored in `index` under base/KEY first: what each per-task index (TALL masks, EMR) begins with."""
+    for key, anchor, vectors in task_vectors_by_key(models, base):
+        index[f"base/{key}"] = anchor
+        if vectors is not None:
+            yield key, torch.stack(vectors)
+
+
 def summed_task_vectors(models: Sequence[TensorMap], base: TensorMap, transform: Transform | None = None):
     """(key, theta_0, sum_t transform(tau_t) or None) per key, accumulated one task at a time."""
     for key in base:
@@ -77,10 +100,6 @@ def mean_tensor(models: Sequence[TensorMap], key: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- matrices
-# The pattern of "every 2-D tensor is a matrix" (Iso-C, Iso-CTS and WUDI's reference default).
-EVERY_MATRIX = r".*"
-
-
 def is_matrix_key(key: str, tensor_or_shape, matrix_keys: str) -> bool:
     """Whether `key` gets a strategy's matrix treatment: a 2-D tensor whose key matches `matrix_keys`
     (re.search)."""
@@ -122,9 +141,6 @@ def check_matrix_keys(method: str, model: TensorMap, matrix_keys: str) -> list[s
 
 
 # ----------------------------------------------------------------------------- residual blocks
-DEFAULT_BLOCK_KEYS = r"blocks\.(\d+)\."
-
-
 def block_of(key: str, pattern: re.Pattern) -> int | None:
     """The residual block index of a tensor name (the pattern's first group), or None outside the blocks."""
     match = pattern.search(key)

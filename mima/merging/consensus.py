@@ -18,7 +18,7 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.merging.common import task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 
 def task_masks(taus: torch.Tensor, total: torch.Tensor, mask_lam) -> torch.Tensor:
@@ -52,13 +52,11 @@ def _consensus(models, base, mask_lam: list[float], min_tasks: int):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="consensus",
         paper="https://arxiv.org/abs/2405.07813",
         summary="task arithmetic on the entries that at least k tasks' TALL masks select",
         needs_base=True,
-        defaults={"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
-        grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 11))},
         scaled_fn=consensus,
         entrywise=True,
     )

@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from mima.merging.common import summed_task_vectors
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 from mima.merging.ties import ties_vectors, with_base
 
 
@@ -45,25 +45,21 @@ def dare_ties(models, base, drop: float, seed: int, k: float, trim: str):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="dare_task_arithmetic",
         paper="https://arxiv.org/abs/2311.03099",
         summary="random drop-and-rescale of task vectors, then task arithmetic",
         needs_base=True,
-        defaults={"lam": 0.3, "drop": 0.5, "seed": 0},
-        grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
         scaled_fn=dare_task_arithmetic,
         entrywise=True,
     )
 )
 register(
-    MergeMethod(
+    ScaledMerge(
         name="dare_ties",
         paper="https://arxiv.org/abs/2311.03099",
         summary="random drop-and-rescale of task vectors, then TIES",
         needs_base=True,
-        defaults={"lam": 1.0, "drop": 0.5, "seed": 0, "k": 20.0, "trim": "global"},
-        grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=dare_ties,
         entrywise=True,
     )

@@ -42,7 +42,7 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.merging.common import task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 
 def della_seed(seed: int, task: int, key: str) -> int:
@@ -110,13 +110,11 @@ def _della(models, base, density: float, epsilon: float, seed: int):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="della",
         paper="https://arxiv.org/abs/2406.11617",
         summary="magnitude-ranked random drop and rescale, sign election, disjoint mean, scaled by lam",
         needs_base=True,
-        defaults={"lam": 1.0, "density": 0.5, "epsilon": 0.15, "seed": 0},
-        grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=della,
         entrywise=True,
     )

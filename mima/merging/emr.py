@@ -24,8 +24,8 @@ from collections.abc import Mapping
 
 import torch
 
-from mima.merging.common import pack, reconstruct_masked, task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.common import indexed_task_vectors, pack, reconstruct_masked
+from mima.merging.registry import PerTaskMerge, register
 
 
 def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,11 +47,7 @@ def emr_index(models, base) -> dict[str, torch.Tensor]:
     task_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|tau_t| (on the CPU)
     masked_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|M_t * tau_uni|
     index: dict[str, torch.Tensor] = {}
-    for key, anchor, vectors in task_vectors_by_key(models, base):
-        index[f"base/{key}"] = anchor
-        if vectors is None:
-            continue
-        taus = torch.stack(vectors)
+    for key, taus in indexed_task_vectors(models, base, index):
         _, unified, masks = elect(taus)
         index[f"unified/{key}"] = unified
         flat = taus.reshape(tasks, -1)
@@ -69,7 +65,7 @@ def emr_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, t
 
 
 register(
-    MergeMethod(
+    PerTaskMerge(
         name="emr",
         paper="https://arxiv.org/abs/2405.17461",
         summary="elected task vector plus a sign mask and a rescaler per task (one model per task)",

@@ -13,7 +13,7 @@ Reading overlaps the arithmetic: the inputs are read through one GroupPrefetcher
 (mima.core.tensor_files), whose background thread reads the next key's tensor from every input while
 the strategy computes on the current key (one group ahead; the bytes are those a direct read gives).
 With a `device` the strategy's arithmetic runs there: each tensor it reads is moved to the device, and
-each merged tensor comes back to the CPU to be written (MergeMethod.stream; `merge_device` turns the
+each merged tensor comes back to the CPU to be written (DataFreeMerge.stream; `merge_device` turns the
 command line's spelling into a device, refusing one this machine lacks).
 """
 
@@ -32,7 +32,7 @@ from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import check_compatible
 from mima.core.tensor_files import GroupPrefetcher, SafetensorsReader, SafetensorsWriter, TensorInfo
 from mima.merging.common import all_finite
-from mima.merging.registry import MergeMethod
+from mima.merging.registry import DataFreeMerge, MergeMethod
 
 
 Read = Callable[[str], tuple[torch.Tensor, bool | None]]  # a key's tensor and whether it is finite (None: unknown)
@@ -119,7 +119,7 @@ def read_through(prefetcher: GroupPrefetcher | None, source: int) -> Read | None
 
 
 def merge_to_file(
-    method: MergeMethod,
+    method: DataFreeMerge,
     inputs: MergeInputs,
     output: Path,
     hparams: Mapping[str, object],

@@ -16,7 +16,7 @@ import torch
 
 from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
+from mima.merging.registry import DataMerge, MergeOutput, floating_keys, register
 
 FISHER_FLOOR = 1e-6
 
@@ -63,12 +63,11 @@ def fisher_merging(models, base, pool: Pool, examples: int) -> MergeOutput:
 
 
 register(
-    MergeMethod(
+    DataMerge(
         name="fisher",
         paper="https://arxiv.org/abs/2111.09832",
         summary="average weighted per parameter by each model's diagonal Fisher information",
         needs_base=False,
-        defaults={"examples": 256},
         data_fn=fisher_merging,
     )
 )

@@ -32,18 +32,17 @@ score) or vertices and learnt coefficients (soft), and the AdaMerging start's no
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mima.merging.adamerging import adapt_coefficients, adamerging, combine_weights, notes_of
+from mima.merging.catalogue import ITERATIONS
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, MergeOutput, floating_keys, register
+from mima.merging.registry import DataMerge, MergeOutput, floating_keys, register
 from mima.merging.task_arithmetic import task_arithmetic
 
 CANDIDATE_INITIAL = "initial merge"
-ITERATIONS = {"hard": 3, "soft": 15}  # default iterations per mode: paper 002's vision settings
 
 
 def calibration_gradient(pool: Pool, weights: dict[str, torch.Tensor], keys, tasks, examples: int) -> dict[str, torch.Tensor]:
@@ -164,10 +163,13 @@ def fw_merging(models, base, pool: Pool, mode: str, **values) -> MergeOutput:
     return fw_soft(models, base, pool, **values)
 
 
-@dataclass(frozen=True)
-class ModeDependentIterations(MergeMethod):
-    """A MergeMethod whose `iterations`, when not given, is the mode's default (ITERATIONS); every
-    other rule (checks, unknown and unused hyperparameters) is the registry's."""
+class FrankWolfeMerge(DataMerge):
+    """FW-Merging's DataMerge: its mode (and start) decide which hyperparameters it uses, and its
+    `iterations`, when not given, is the mode's default (ITERATIONS); every other rule (checks, unknown
+    and unused hyperparameters) is the registry's."""
+
+    def used(self, values: Mapping[str, object]) -> set[str]:
+        return used_hyperparameters(values)
 
     def hyperparameters(self, given: Mapping[str, object], *args, **kwargs) -> dict[str, object]:
         values = super().hyperparameters(given, *args, **kwargs)
@@ -177,14 +179,11 @@ class ModeDependentIterations(MergeMethod):
 
 
 register(
-    ModeDependentIterations(
+    FrankWolfeMerge(
         name="fw_merging",
         paper="https://arxiv.org/abs/2503.12649",
         summary="Frank-Wolfe over the checkpoints' convex hull (hard: one vertex per step; soft: AdaMerging over chosen vertices)",
         needs_base=True,
-        defaults={"mode": "hard", "iterations": ITERATIONS["hard"], "step_size": 0.1, "lam": 0.3, "examples": 100,
-                  "start": "adamerging", "ada_steps": 500, "lr": 1e-3},
         data_fn=fw_merging,
-        uses=used_hyperparameters,
     )
 )

@@ -25,11 +25,9 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import svd
-from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
-
-# The authors' alpha search, np.linspace(0.0, 3.0, 31)[1:].
-ISO_LAM_GRID = tuple(round(0.1 * i, 1) for i in range(1, 31))
+from mima.merging.catalogue import EVERY_MATRIX
+from mima.merging.common import matrices_merged
+from mima.merging.registry import ScaledMerge, register
 
 
 def iso_c_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
@@ -41,23 +39,15 @@ def iso_c_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
 
 def iso_c(models, base, matrix_keys: str = EVERY_MATRIX):
     """(key, theta_0, Iso-C merged task vector or None) per key."""
-    for key, anchor, taus in task_vectors_by_key(models, base):
-        if taus is None:
-            yield key, anchor, None
-        elif is_matrix_key(key, anchor, matrix_keys):
-            yield key, anchor, iso_c_matrix(taus)
-        else:
-            yield key, anchor, torch.stack(taus).mean(dim=0)
+    return matrices_merged(models, base, matrix_keys, iso_c_matrix)
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="iso_c",
         paper="https://arxiv.org/abs/2502.04959",
         summary="per matrix: the sum of task vectors with its singular values flattened to their mean",
         needs_base=True,
-        defaults={"lam": 1.0, "matrix_keys": EVERY_MATRIX},
-        grid={"lam": ISO_LAM_GRID},
         scaled_fn=iso_c,
     )
 )

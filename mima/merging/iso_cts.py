@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import polar_factor, svd
-from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
-from mima.merging.iso_c import ISO_LAM_GRID
-from mima.merging.registry import MergeMethod, register
+from mima.merging.catalogue import EVERY_MATRIX
+from mima.merging.common import matrices_merged
+from mima.merging.registry import ScaledMerge, register
 
 
 def subspace_sizes(rank: int, tasks: int, common_space_fraction: float) -> tuple[int, int]:
@@ -63,23 +63,15 @@ def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float) -> to
 
 def iso_cts(models, base, common_space_fraction: float, matrix_keys: str = EVERY_MATRIX):
     """(key, theta_0, Iso-CTS merged task vector or None) per key."""
-    for key, anchor, taus in task_vectors_by_key(models, base):
-        if taus is None:
-            yield key, anchor, None
-        elif is_matrix_key(key, anchor, matrix_keys):
-            yield key, anchor, iso_cts_matrix(taus, common_space_fraction)
-        else:
-            yield key, anchor, torch.stack(taus).mean(dim=0)
+    return matrices_merged(models, base, matrix_keys, lambda taus: iso_cts_matrix(taus, common_space_fraction))
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="iso_cts",
         paper="https://arxiv.org/abs/2502.04959",
         summary="per matrix: common subspace of the sum plus each task's own directions, orthogonalised, flat spectrum",
         needs_base=True,
-        defaults={"lam": 1.0, "common_space_fraction": 0.8, "matrix_keys": EVERY_MATRIX},
-        grid={"lam": ISO_LAM_GRID},
         scaled_fn=iso_cts,
     )
 )

@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from mima.core.errors import MimaError
-from mima.merging.common import DEFAULT_BLOCK_KEYS, block_depths, summed_task_vectors
+from mima.merging.common import block_depths, summed_task_vectors
 from mima.merging.consensus import consensus
-from mima.merging.registry import MergeMethod, ScaledItem, combine_tensor, floating_keys, get_method, register
+from mima.merging.registry import ScaledItem, StreamingMerge, combine_tensor, floating_keys, get_method, register
 from mima.merging.task_arithmetic import task_arithmetic
 from mima.merging.ties import ties
 
@@ -90,14 +90,11 @@ def _scaled(items: Iterator[ScaledItem], depths: dict[str, int], blocks: int, al
 
 
 register(
-    MergeMethod(
+    StreamingMerge(
         name="lines",
         paper="https://arxiv.org/abs/2410.17146",
         summary="a base merge's task vector scaled by alpha + beta * l / (L - 1) in residual block l",
         needs_base=True,
-        defaults={"base_merge": "task_arithmetic", "lines_alpha": "auto", "lines_beta": 0.5,
-                  "block_keys": DEFAULT_BLOCK_KEYS},
-        grid={"lines_beta": tuple(round(0.1 * i, 1) for i in range(1, 16))},
         stream_fn=lines,
     )
 )

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 
 def max_magnitude(taus: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -44,13 +44,11 @@ def magmax(models, base):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="magmax",
         paper="https://arxiv.org/abs/2407.06322",
         summary="per entry, the task-vector value of largest magnitude (later task on ties), scaled by lam",
         needs_base=True,
-        defaults={"lam": 0.5},
-        grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))},
         scaled_fn=magmax,
         entrywise=True,
     )

@@ -28,7 +28,7 @@ import math
 import torch
 
 from mima.merging.common import task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import MergeMethod, StreamingMerge, register
 
 EPS = 1e-8  # the reference's guard in the cosine's and the ratio's denominators
 
@@ -62,7 +62,7 @@ def model_stock(models, base):
 
 
 register(
-    MergeMethod(
+    StreamingMerge(
         name="model_stock",
         paper="https://arxiv.org/abs/2403.19522",
         summary="per tensor, t * mean of the models + (1 - t) * theta_0 with t from the tasks' mean pairwise angle",

@@ -2,20 +2,23 @@
 
 Every strategy works on mappings from key to tensor (which may be lazy, file-backed readers) and
 touches one key of each input at a time, so merging streams: see mima.merging.engine. A strategy
-is one of four kinds:
+is one of four kinds, each a subclass of MergeMethod holding the functions of its kind:
 
-  stream_fn(models, base, **hp)  -> iterator of (key, merged tensor)
-  scaled_fn(models, base, **hp)  -> iterator of (key, anchor, direction or None); the merge is
-                                    anchor + lam * direction, so a lambda grid needs one direction
-                                    per structural setting (selection sweeps lam cheaply)
-  data_fn(models, base, pool, **hp) -> MergeOutput(state, notes); strategies that need calibration
-                                    or unlabelled data and forward passes (they hold all T task
-                                    vectors). `pool` is a task pool (mima.merging.pool.Pool: tasks,
-                                    heads, encoder, examples, loader, logits); the notes say what
-                                    the strategy learnt (coefficients, chosen vertices, ...)
-  index_fn(models, base, **hp) -> index, with reconstruct_fn(index, task) -> that task's model;
-                                    per-task compressions (CART-Indexing, TALL masks) that keep
-                                    one shared model plus a small per-task part
+  StreamingMerge(stream_fn)   stream_fn(models, base, **hp) -> iterator of (key, merged tensor)
+  ScaledMerge(scaled_fn)      scaled_fn(models, base, **hp) -> iterator of (key, anchor, direction or
+                              None); the merge is anchor + lam * direction, so a lambda grid needs one
+                              direction per structural setting (`sweep`; selection sweeps lam cheaply)
+  DataMerge(data_fn)          data_fn(models, base, pool, **hp) -> MergeOutput(state, notes); strategies
+                              that need calibration or unlabelled data and forward passes (they hold all
+                              T task vectors). `pool` is a task pool (mima.merging.pool.Pool: tasks,
+                              heads, encoder, examples, loader, logits); the notes say what the strategy
+                              learnt (coefficients, chosen vertices, ...)
+  PerTaskMerge(index_fn, reconstruct_fn)  index_fn(models, base, **hp) -> index, with `reconstruct(index,
+                              task)` -> that task's model; per-task compressions (CART-Indexing, TALL
+                              masks) that keep one shared model plus a small per-task part
+
+The first two are DataFreeMerge: they stream (`stream`, and the file engine). Every kind has `merge`
+(per-task: the index; data: needs the pool) and `grid_merges` (what selection scores).
 
 Every entry point (MergeMethod.stream, merge, sweep, and `mima merge` through the engine) first runs
 the method's `check`: theta_0 when needed, enough task models, `min_tasks` and `matrix_keys` that fit
@@ -30,11 +33,12 @@ in full precision, random masks drawn on the CPU, SVD signs fixed where U or V i
 mima.core.linalg).
 Data-dependent strategies ignore it: their work is forward passes on the task pool's device.
 
-Hyperparameters are declared once, in HYPERPARAMETERS (name, check, meaning, command-line type; in
-mima.merging.catalogue, which the command line reads without importing torch), and a strategy lists
-the ones it takes with their defaults (the catalogue lists their names too; `register` checks both agree). A strategy whose hyperparameters depend
-on a setting (FW-Merging's mode) says which it uses for given values (`uses`); a value given for a
-hyperparameter the setting does not use is an error, never silently ignored.
+Hyperparameters are declared once, in mima.merging.catalogue (which the command line reads without
+importing torch): each one's check, meaning and command-line type in HYPERPARAMETERS, and each
+strategy's defaults and paper grid in STRATEGIES, which the method reads (`defaults`, `grid`). A
+strategy whose hyperparameters depend on a setting (FW-Merging's mode) says which it uses for given
+values (`used`); a value given for a hyperparameter the setting does not use is an error, never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -45,12 +49,19 @@ import importlib
 import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 import torch
 
 from mima.core.errors import MimaError
 from mima.core.state_dicts import is_mergeable
-from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter, check_method_name  # noqa: F401  (Hyperparameter: re-exported)
+from mima.merging.catalogue import (  # noqa: F401  (Hyperparameter: re-exported)
+    HYPERPARAMETERS,
+    STRATEGIES,
+    Hyperparameter,
+    Strategy,
+    check_method_name,
+)
 from mima.merging.common import (
     check_matrix_keys,
     ieee_matmuls,
@@ -97,26 +108,17 @@ def input_name(model: TensorMap, fallback: str) -> str:
     return str(path) if path is not None else fallback
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergeMethod:
-    name: str
+    """A registered merge strategy, one of four kinds (the subclasses below: StreamingMerge, ScaledMerge,
+    PerTaskMerge, DataMerge), each holding the functions of its kind. What every kind shares: its name,
+    paper and summary, its hyperparameters as declared in mima.merging.catalogue.STRATEGIES (`defaults`,
+    `grid`), the checks every entry point runs, and the device it computes on."""
+
+    name: str  # as declared in mima.merging.catalogue.STRATEGIES
     paper: str
     summary: str
     needs_base: bool
-    defaults: dict[str, object] = field(default_factory=dict)  # every hyperparameter it takes, with its default
-    grid: dict[str, tuple] = field(default_factory=dict)  # searched on validation data
-    stream_fn: Callable[..., Iterator[Item]] | None = None
-    scaled_fn: Callable[..., Iterator[ScaledItem]] | None = None
-    data_fn: Callable[..., MergeOutput] | None = None
-    index_fn: Callable[..., StateDict] | None = None
-    reconstruct_fn: Callable[[Mapping[str, torch.Tensor], int], StateDict] | None = None
-    sweep_fn: Callable[..., Iterator[tuple[dict, StateDict, StateDict]]] | None = None
-    # uses(values) -> the hyperparameters that a full setting actually uses (None: all of them).
-    # Only those are passed to the strategy; giving another is an error.
-    uses: Callable[[Mapping[str, object]], Collection[str]] | None = None
-    # validate(values, spell) refuses, in one line, a full setting whose values are each valid but not
-    # together or not against the registry (SVC: its inner merge and that merge's own setting)
-    validate: Callable[[Mapping[str, object], Callable[[str], str]], None] | None = None
     # Fewer task models is an error, never a quiet merge: a merge of one model is that model.
     min_models: int = 2
     # Entry by entry: no matrix product, decomposition or float reduction whose rounding follows torch's
@@ -126,7 +128,24 @@ class MergeMethod:
     # Where the entry points compute when they are given no device (see `on`); None: where the inputs are.
     device: torch.device | None = None
 
-    def on(self, device: torch.device | str | None) -> MergeMethod:
+    needs_data: ClassVar[bool] = False  # DataMerge: merge() needs a task pool
+    per_task: ClassVar[bool] = False  # PerTaskMerge: merge() gives an index, one model per task
+
+    @property
+    def declaration(self) -> Strategy:
+        return STRATEGIES[self.name]
+
+    @property
+    def defaults(self) -> dict[str, object]:
+        """Every hyperparameter it takes, with its default (its declaration's)."""
+        return dict(self.declaration.defaults)
+
+    @property
+    def grid(self) -> dict[str, tuple]:
+        """The values searched on validation data (its declaration's)."""
+        return dict(self.declaration.grid)
+
+    def on(self, device: torch.device | str | None) -> Self:
         """This method computing on `device` wherever it is not given one: in merge, sweep, stream and
         the file engine, and so in code that is handed the method (selection, evaluation)."""
         return dataclasses.replace(self, device=None if device is None else torch.device(device))
@@ -135,13 +154,15 @@ class MergeMethod:
         """The device an entry point computes on: the one it was given, else the method's own."""
         return torch.device(device) if device is not None else self.device
 
-    @property
-    def needs_data(self) -> bool:
-        return self.data_fn is not None
+    def used(self, values: Mapping[str, object]) -> Collection[str]:
+        """The hyperparameters that the full setting `values` actually uses (all of them, unless a kind
+        whose setting decides, like FW-Merging's mode, says otherwise). Only those are passed to the
+        strategy; giving another is an error."""
+        return values.keys()
 
-    @property
-    def per_task(self) -> bool:
-        return self.index_fn is not None
+    def validate(self, values: Mapping[str, object], spell: Callable[[str], str]) -> None:
+        """Refuse, in one line, a full setting whose values are each valid but not together or not against
+        the registry (SVC: its inner merge and that merge's own setting); nothing to refuse by default."""
 
     def hyperparameters(self, given: Mapping[str, object], spell: Callable[[str], str] = _spell) -> dict[str, object]:
         """The defaults updated with `given`, each checked, restricted to those the setting uses.
@@ -150,29 +171,27 @@ class MergeMethod:
         not use (FW-Merging's lam in soft mode) are errors naming the option; `spell` writes an
         option's name (the command line passes '--lam' for 'lam').
         """
-        unknown = sorted(set(given) - set(self.defaults))
+        defaults = self.defaults
+        unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise MimaError(
                 f"merge method '{self.name}' takes no hyperparameter '{unknown[0]}' "
-                f"(it takes: {', '.join(self.defaults) or 'none'})"
+                f"(it takes: {', '.join(defaults) or 'none'})"
             )
-        values = {**self.defaults, **given}
-        for name in (*given, *self.defaults):  # the given ones first: a user's mistake is named first
+        values = {**defaults, **given}
+        for name in (*given, *defaults):  # the given ones first: a user's mistake is named first
             spec = HYPERPARAMETERS[name]
             if not spec.accepts(values[name]):
                 raise MimaError(f"merge method '{self.name}': {spell(name)} must be {spec.meaning}, got {values[name]!r}")
-        if self.validate is not None:
-            self.validate(values, spell)
-        if self.uses is None:
-            return values
-        used = set(self.uses(values))
+        self.validate(values, spell)
+        used = set(self.used(values))
         unused = [name for name in given if name not in used]
         if unused:
-            deciding = [n for n in self.defaults if n in used and HYPERPARAMETERS[n].choices is not None]
+            deciding = [n for n in defaults if n in used and HYPERPARAMETERS[n].choices is not None]
             setting = ", ".join(f"{spell(n)}={values[n]}" for n in deciding)
             raise MimaError(
                 f"merge method '{self.name}': {spell(unused[0])} is not used with {setting} "
-                f"(used there: {', '.join(spell(n) for n in self.defaults if n in used)})"
+                f"(used there: {', '.join(spell(n) for n in defaults if n in used)})"
             )
         return {name: value for name, value in values.items() if name in used}
 
@@ -217,30 +236,10 @@ class MergeMethod:
 
     def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
                device: torch.device | str | None = None, **given) -> Iterator[Item]:
-        """The merged model, one (key, tensor) at a time (data-free strategies); checked first. With a
-        device (or the method's own), computed there and each tensor handed back on the CPU."""
+        """The merged model, one (key, tensor) at a time: only the data-free kinds (DataFreeMerge) stream."""
         if self.per_task:
             raise MimaError(f"merge method '{self.name}' keeps one model per task; use its index and reconstruct")
-        if self.needs_data:
-            raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        target = self.target(device)
-        checked = self.check(models, base, allow_non_finite, target, **given)
-        items = self.run(checked.models, checked.base, checked.values)
-        if target is not None:
-            items = ((key, tensor.to("cpu")) for key, tensor in computed_on(target, items))
-        return refusing_linalg_errors(self.name, items) if allow_non_finite else items
-
-    def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
-        """The merge, one (key, tensor) at a time, of inputs and a full setting that `check` already
-        passed (a data-free strategy); `stream` is the checked entry point, SVC runs its inner merge so."""
-        values = dict(values)
-        if self.stream_fn is not None:
-            return self.stream_fn(models, base, **values)
-        lam = values.pop("lam")
-        return (
-            (key, combine_tensor(anchor, direction, lam))
-            for key, anchor, direction in self.scaled_fn(models, base, **values)
-        )
+        raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
 
     def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
               device: torch.device | str | None = None, **given) -> MergeOutput:
@@ -251,25 +250,78 @@ class MergeMethod:
         data-free or per-task strategy computes, the result coming back on the CPU; data-dependent
         strategies compute where their inputs and the pool are.
         """
-        if not self.per_task and not self.needs_data:
-            return MergeOutput(dict(self.stream(models, base, allow_non_finite, device, **given)))
-        target = self.target(device) if self.per_task else None
-        checked = self.check(models, base, allow_non_finite, target, **given)
-        if self.needs_data and pool is None:
-            raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        with self.refusals(allow_non_finite), ieee_matmuls(target):
-            if self.per_task:
-                index = self.index_fn(checked.models, checked.base, **checked.values)
-                return MergeOutput(index if target is None else on_host(index))
-            output = self.data_fn(checked.models, checked.base, pool, **checked.values)
-        if not isinstance(output, MergeOutput):
-            raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
-        return output
+        raise NotImplementedError
 
     def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None,
                  allow_non_finite: bool = False, device: torch.device | str | None = None, **given) -> StateDict:
         """The merged model as a state dict (for per-task methods: their index); see `merge` for the notes."""
         return self.merge(models, base, pool, allow_non_finite, device, **given).state
+
+    def grid_merges(self, models: Sequence[TensorMap], base: TensorMap | None, pool=None,
+                    allow_non_finite: bool = False) -> Iterator[tuple[dict[str, object], MergeOutput]]:
+        """(point, merge at that point) for every point of the grid, in grid order (the other
+        hyperparameters at their defaults): what selection scores. A ScaledMerge shares the work of
+        the points that differ only in lam."""
+        for values in itertools.product(*self.grid.values()):
+            point = dict(zip(self.grid, values))
+            yield point, self.merge(models, base, pool, allow_non_finite, **point)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataFreeMerge(MergeMethod):
+    """A merge computed key by key from the inputs alone, so it streams (the file engine writes each
+    merged tensor as it comes): StreamingMerge and ScaledMerge."""
+
+    def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
+        """The merge, one (key, tensor) at a time, of inputs and a full setting that `check` already
+        passed; `stream` is the checked entry point, SVC runs its inner merge so."""
+        raise NotImplementedError
+
+    def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
+               device: torch.device | str | None = None, **given) -> Iterator[Item]:
+        """The merged model, one (key, tensor) at a time; checked first. With a device (or the method's
+        own), computed there and each tensor handed back on the CPU."""
+        target = self.target(device)
+        checked = self.check(models, base, allow_non_finite, target, **given)
+        items = self.run(checked.models, checked.base, checked.values)
+        if target is not None:
+            items = ((key, tensor.to("cpu")) for key, tensor in computed_on(target, items))
+        return refusing_linalg_errors(self.name, items) if allow_non_finite else items
+
+    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
+              device: torch.device | str | None = None, **given) -> MergeOutput:
+        return MergeOutput(dict(self.stream(models, base, allow_non_finite, device, **given)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingMerge(DataFreeMerge):
+    """stream_fn(models, base, **hp) -> iterator of (key, merged tensor)."""
+
+    stream_fn: Callable[..., Iterator[Item]]
+
+    def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
+        return self.stream_fn(models, base, **values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaledMerge(DataFreeMerge):
+    """scaled_fn(models, base, **hp without lam) -> iterator of (key, anchor, direction or None): the merge
+    is anchor + lam * direction, so a lam grid needs one direction per structural setting (`sweep`).
+    It takes `lam` (register checks)."""
+
+    scaled_fn: Callable[..., Iterator[ScaledItem]]
+    # sweep_fn(models, base, **fixed hp, **{name: values}) -> (setting, anchor, direction) per combination,
+    # for a strategy that shares work between settings (CART: one SVD per matrix for every rank ratio);
+    # None: scaled_fn once per setting.
+    sweep_fn: Callable[..., Iterator[tuple[dict, StateDict, StateDict]]] | None = None
+
+    def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
+        values = dict(values)
+        lam = values.pop("lam")
+        return (
+            (key, combine_tensor(anchor, direction, lam))
+            for key, anchor, direction in self.scaled_fn(models, base, **values)
+        )
 
     def sweep(self, models, base, settings: Mapping[str, Sequence], allow_non_finite: bool = False,
               device: torch.device | str | None = None) -> Iterator[tuple[dict, StateDict, StateDict]]:
@@ -278,14 +330,14 @@ class MergeMethod:
         target = self.target(device)
         checked = self.check(models, base, allow_non_finite, target)
         with self.refusals(allow_non_finite):
-            swept = self._sweep(checked.models, checked.base, settings)
+            swept = self._swept(checked.models, checked.base, settings)
             if target is None:
                 yield from swept
                 return
             for setting, anchor, direction in computed_on(target, swept):
                 yield setting, on_host(anchor), on_host(direction)
 
-    def _sweep(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
+    def _swept(self, models, base, settings: Mapping[str, Sequence]) -> Iterator[tuple[dict, StateDict, StateDict]]:
         fixed = {k: v for k, v in self.defaults.items() if k != "lam" and k not in settings}
         if self.sweep_fn is not None:
             yield from self.sweep_fn(models, base, **fixed, **settings)
@@ -299,6 +351,61 @@ class MergeMethod:
                 if direction_tensor is not None:
                     direction[key] = direction_tensor.to("cpu")
             yield dict(zip(settings, values)), anchor, direction
+
+    def grid_merges(self, models: Sequence[TensorMap], base: TensorMap | None, pool=None,
+                    allow_non_finite: bool = False) -> Iterator[tuple[dict[str, object], MergeOutput]]:
+        grid = self.grid
+        structural = {name: values for name, values in grid.items() if name != "lam"}
+        lams = grid.get("lam", (self.defaults["lam"],))
+        for setting, anchor, direction in self.sweep(models, base, structural, allow_non_finite):
+            for lam in lams:
+                yield {**setting, "lam": lam}, MergeOutput(combine(anchor, direction, lam))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerTaskMerge(MergeMethod):
+    """index_fn(models, base, **hp) -> index, with reconstruct_fn(index, task) -> that task's model:
+    per-task compressions (CART-Indexing, TALL masks, EMR) that keep one shared model plus a small
+    per-task part. merge() gives the index."""
+
+    index_fn: Callable[..., StateDict]
+    reconstruct_fn: Callable[[Mapping[str, torch.Tensor], int], StateDict]
+
+    per_task: ClassVar[bool] = True
+
+    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
+              device: torch.device | str | None = None, **given) -> MergeOutput:
+        target = self.target(device)
+        checked = self.check(models, base, allow_non_finite, target, **given)
+        with self.refusals(allow_non_finite), ieee_matmuls(target):
+            index = self.index_fn(checked.models, checked.base, **checked.values)
+        return MergeOutput(index if target is None else on_host(index))
+
+    def reconstruct(self, index: Mapping[str, torch.Tensor], task: int) -> StateDict:
+        """Task `task`'s model (its place in the models merged) from the index merge() gave."""
+        return self.reconstruct_fn(index, task)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataMerge(MergeMethod):
+    """data_fn(models, base, pool, **hp) -> MergeOutput(state, notes): strategies that need calibration
+    or unlabelled data and forward passes (they hold all T task vectors). They compute where their
+    inputs and the pool are, whatever the device."""
+
+    data_fn: Callable[..., MergeOutput]
+
+    needs_data: ClassVar[bool] = True
+
+    def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
+              device: torch.device | str | None = None, **given) -> MergeOutput:
+        checked = self.check(models, base, allow_non_finite, None, **given)
+        if pool is None:
+            raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
+        with self.refusals(allow_non_finite), ieee_matmuls(None):
+            output = self.data_fn(checked.models, checked.base, pool, **checked.values)
+        if not isinstance(output, MergeOutput):
+            raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")
+        return output
 
 
 def computed_on(device: torch.device, items: Iterator) -> Iterator:
@@ -329,33 +436,36 @@ MERGE_METHODS: dict[str, MergeMethod] = {}
 
 
 def register(method: MergeMethod) -> MergeMethod:
-    """Add a strategy; its declaration is checked here, so a mistake fails at import, not mid-merge."""
+    """Add a strategy; its declaration (mima.merging.catalogue.STRATEGIES) is checked here, so a
+    mistake fails at import, not mid-merge."""
     if method.name in MERGE_METHODS:
         raise ValueError(f"merge method {method.name} registered twice")
-    kinds = [f for f in (method.stream_fn, method.scaled_fn, method.data_fn, method.index_fn) if f is not None]
-    if len(kinds) != 1:
-        raise ValueError(f"merge method {method.name} needs exactly one of stream_fn, scaled_fn, data_fn, index_fn")
-    if (method.index_fn is None) != (method.reconstruct_fn is None):
-        raise ValueError(f"merge method {method.name}: index_fn and reconstruct_fn come together")
-    undeclared = sorted(set(method.defaults) - set(HYPERPARAMETERS))
-    if undeclared:
-        raise ValueError(f"merge method {method.name}: hyperparameter {undeclared[0]} is not declared in HYPERPARAMETERS")
-    if method.scaled_fn is not None and "lam" not in method.defaults:
-        raise ValueError(f"merge method {method.name}: a scaled_fn strategy takes lam")
-    for name, value in method.defaults.items():
-        if not HYPERPARAMETERS[name].accepts(value):
-            raise ValueError(f"merge method {method.name}: default {name}={value!r} is not {HYPERPARAMETERS[name].meaning}")
-    for name, values in method.grid.items():
-        if name not in method.defaults or not all(HYPERPARAMETERS[name].accepts(v) for v in values):
-            raise ValueError(f"merge method {method.name}: grid of {name} is not a list of its valid values")
-    if method.uses is not None and not set(method.uses(method.defaults)) <= set(method.defaults):
-        raise ValueError(f"merge method {method.name}: uses() names hyperparameters it does not take")
-    listed = STRATEGIES.get(method.name)
-    if listed is None or listed.hyperparameters != tuple(method.defaults):
-        raise ValueError(f"merge method {method.name}: mima.merging.catalogue.STRATEGIES must list it with the "
-                         f"hyperparameters {tuple(method.defaults)} (it lists {listed})")
+    if not isinstance(method, (StreamingMerge, ScaledMerge, PerTaskMerge, DataMerge)):
+        raise ValueError(f"merge method {method.name} must be a StreamingMerge, ScaledMerge, PerTaskMerge or DataMerge")
+    if method.name not in STRATEGIES:
+        raise ValueError(f"merge method {method.name}: mima.merging.catalogue.STRATEGIES must list it "
+                         "(its module, hyperparameters and grid)")
+    check_declaration(method.name, STRATEGIES[method.name])
+    if isinstance(method, ScaledMerge) and "lam" not in method.defaults:
+        raise ValueError(f"merge method {method.name}: a ScaledMerge takes lam")
+    if not set(method.used(method.defaults)) <= set(method.defaults):
+        raise ValueError(f"merge method {method.name}: used() names hyperparameters it does not take")
     MERGE_METHODS[method.name] = method
     return method
+
+
+def check_declaration(name: str, strategy: Strategy) -> None:
+    """Refuse a declaration whose defaults or grid values its hyperparameters do not accept."""
+    undeclared = sorted(set(strategy.defaults) - set(HYPERPARAMETERS))
+    if undeclared:
+        raise ValueError(f"merge method {name}: hyperparameter {undeclared[0]} is not declared in HYPERPARAMETERS")
+    for hyperparameter, value in strategy.defaults.items():
+        spec = HYPERPARAMETERS[hyperparameter]
+        if not spec.accepts(value):
+            raise ValueError(f"merge method {name}: default {hyperparameter}={value!r} is not {spec.meaning}")
+    for hyperparameter, values in strategy.grid.items():
+        if hyperparameter not in strategy.defaults or not all(HYPERPARAMETERS[hyperparameter].accepts(v) for v in values):
+            raise ValueError(f"merge method {name}: grid of {hyperparameter} is not a list of its valid values")
 
 
 _load_state = {"loaded": False, "loading": False}

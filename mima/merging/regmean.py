@@ -18,7 +18,7 @@ from torch import nn
 
 from mima.merging.common import mean_tensor
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, MergeOutput, register
+from mima.merging.registry import DataMerge, MergeOutput, register
 
 
 def input_grams(pool: Pool, weights, task: str, examples: int) -> dict[str, torch.Tensor]:
@@ -73,12 +73,11 @@ def regmean(models, base, pool: Pool, examples: int, alpha: float) -> MergeOutpu
 
 
 register(
-    MergeMethod(
+    DataMerge(
         name="regmean",
         paper="https://arxiv.org/abs/2212.09849",
         summary="least-squares merge of linear layers from their input Gram matrices; the rest averaged",
         needs_base=False,
-        defaults={"examples": 256, "alpha": 0.6},
         data_fn=regmean,
     )
 )

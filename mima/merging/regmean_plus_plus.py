@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.common import DEFAULT_BLOCK_KEYS, block_depths, mean_tensor
+from mima.merging.common import block_depths, mean_tensor
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, MergeOutput, register
+from mima.merging.registry import DataMerge, MergeOutput, register
 from mima.merging.regmean import input_grams, regmean_weight
 
 
@@ -57,12 +57,11 @@ def regmean_plus_plus(models, base, pool: Pool, examples: int, alpha: float, blo
 
 
 register(
-    MergeMethod(
+    DataMerge(
         name="regmean_plus_plus",
         paper="https://arxiv.org/abs/2508.03121",
         summary="RegMean block by block, each block's Gram matrices from inputs through the merged blocks below",
         needs_base=False,
-        defaults={"examples": 256, "alpha": 0.95, "block_keys": DEFAULT_BLOCK_KEYS},
         data_fn=regmean_plus_plus,
     )
 )

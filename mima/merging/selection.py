@@ -9,17 +9,35 @@ all from one SVD per matrix) and sweep lam on it. A Selection carries the notes 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod, combine
+from mima.merging.registry import MergeMethod
 
 TensorMap = Mapping[str, torch.Tensor]
 Score = Callable[[dict[str, torch.Tensor]], float]
+Point = TypeVar("Point")
+
+
+class BestPoint(Generic[Point]):
+    """The best-scoring grid point offered so far: the highest validation score, the first one on ties
+    (grids list smaller values first, so smaller values win ties). The one rule every selection uses
+    (`mima merge --select-on val`, `mima evaluate`'s grid search)."""
+
+    def __init__(self) -> None:
+        self.score: float | None = None
+        self.point: Point | None = None
+
+    def offer(self, score: float, point: Point) -> bool:
+        """Keep `point` if it scores higher than every point before it; True when it does."""
+        if self.score is not None and not score > self.score:
+            return False
+        self.score, self.point = score, point
+        return True
 
 
 @dataclass
@@ -49,27 +67,13 @@ def select_on_validation(
         selection.score = score(selection.merged)
         selection.trials = [{**selection.hparams, "score": selection.score}]
         return selection
-    best: Selection | None = None
+    best: BestPoint[Selection] = BestPoint()
     trials: list[dict[str, object]] = []
-
-    def consider(hparams: dict, merged: dict, notes: dict | None = None) -> None:
-        nonlocal best
-        value = score(merged)
-        full = method.hyperparameters(hparams)
+    for point, output in method.grid_merges(models, base, pool, allow_non_finite):
+        value = score(output.state)
+        full = method.hyperparameters(point)
         trials.append({**{k: v for k, v in full.items() if k != "matrix_keys"}, "score": value})
-        if best is None or value > best.score:
-            best = Selection(method.name, full, value, trials, merged, dict(notes or {}))
-
-    structural = {name: values for name, values in method.grid.items() if name != "lam"}
-    if method.scaled_fn is not None:
-        lams = method.grid.get("lam", (method.defaults["lam"],))
-        for setting, anchor, direction in method.sweep(models, base, structural, allow_non_finite):
-            for lam in lams:
-                consider({**setting, "lam": lam}, combine(anchor, direction, lam))
-    else:
-        for values in itertools.product(*method.grid.values()):
-            hparams = dict(zip(method.grid, values))
-            output = method.merge(models, base, pool, allow_non_finite, **hparams)
-            consider(hparams, output.state, output.notes)
-    best.trials = trials
-    return best
+        best.offer(value, Selection(method.name, full, value, trials, output.state, dict(output.notes)))
+    chosen = best.point
+    chosen.trials = trials
+    return chosen

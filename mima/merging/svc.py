@@ -47,11 +47,18 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from mima.core.errors import MimaError
+from mima.merging.catalogue import DEFAULT_SVC_MATRIX_KEYS
 from mima.merging.common import is_matrix_key
-from mima.merging.registry import HYPERPARAMETERS, MERGE_METHODS, MergeMethod, get_method, register
+from mima.merging.registry import (
+    HYPERPARAMETERS,
+    MERGE_METHODS,
+    DataFreeMerge,
+    MergeMethod,
+    StreamingMerge,
+    get_method,
+    register,
+)
 
-# The authors' rule: 2-D, and neither the text projection nor an embedding.
-DEFAULT_SVC_MATRIX_KEYS = r"^(?!.*(?:text_projection|embedding)).*$"
 # The authors' floor of ||a_r^t||^2 (clamp_min), so a task without response has coefficient 0.
 FLOOR = 1e-12
 Spell = Callable[[str], str]
@@ -64,11 +71,10 @@ def _plain(name: str) -> str:
 # ------------------------------------------------------------------------- the inner merge
 def eligible_inner_merges() -> list[str]:
     """The merges SVC can calibrate: data-free, one model, not SVC."""
-    return sorted(name for name, method in MERGE_METHODS.items()
-                  if not method.needs_data and not method.per_task and name != "svc")
+    return sorted(name for name, method in MERGE_METHODS.items() if isinstance(method, DataFreeMerge) and name != "svc")
 
 
-def inner_method(name: str, spell: Spell = _plain) -> MergeMethod:
+def inner_method(name: str, spell: Spell = _plain) -> DataFreeMerge:
     """The inner merge, refused in one line when SVC cannot run it."""
     method = get_method(name)
     why = ("is SVC itself" if name == "svc" else "needs task data" if method.needs_data
@@ -116,7 +122,7 @@ def as_svc_error(method: MergeMethod, error: MimaError) -> MimaError:
 
 
 def validate(values: Mapping[str, object], spell: Spell = _plain) -> None:
-    """The inner merge and its setting, refused before any work (MergeMethod.validate)."""
+    """The inner merge and its setting, refused before any work (SingularValueCalibration.validate)."""
     method = inner_method(str(values["inner_merge"]), spell)
     given = inner_given(method, values["inner_hparams"], spell)
     try:
@@ -161,16 +167,21 @@ def _calibrated(items: Iterator, models, base, alpha: float, matrix_keys: str):
         yield key, (reference + calibrate(merged.double() - reference, taus, alpha)).to(anchor.dtype)
 
 
+class SingularValueCalibration(StreamingMerge):
+    """SVC's merge: a StreamingMerge whose setting names another merge and that merge's own setting,
+    each checked against the registry before any work."""
+
+    def validate(self, values: Mapping[str, object], spell: Spell) -> None:
+        validate(values, spell)
+
+
 register(
-    MergeMethod(
+    SingularValueCalibration(
         name="svc",
         paper="https://arxiv.org/abs/2602.05536",
         summary="another merge's matrices with each singular value divided by the mean over tasks of "
         "max(alpha, the task's projection coefficient on that direction)",
         needs_base=True,
-        defaults={"inner_merge": "task_arithmetic", "inner_hparams": "", "svc_alpha": 0.1,
-                  "matrix_keys": DEFAULT_SVC_MATRIX_KEYS},
         stream_fn=svc,
-        validate=validate,
     )
 )

@@ -16,19 +16,15 @@ from collections.abc import Mapping
 
 import torch
 
-from mima.merging.common import pack, reconstruct_masked, task_vectors_by_key
+from mima.merging.common import indexed_task_vectors, pack, reconstruct_masked
 from mima.merging.consensus import per_task_lams, task_masks
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import PerTaskMerge, register
 
 
 def tall_index(models, base, mask_lam) -> dict[str, torch.Tensor]:
     lams = per_task_lams(mask_lam, len(models))
     index: dict[str, torch.Tensor] = {}
-    for key, anchor, vectors in task_vectors_by_key(models, base):
-        index[f"base/{key}"] = anchor
-        if vectors is None:
-            continue
-        taus = torch.stack(vectors)
+    for key, taus in indexed_task_vectors(models, base, index):
         total = taus.sum(dim=0)
         index[f"sum/{key}"] = total
         for task, mask in enumerate(task_masks(taus, total, lams)):
@@ -41,13 +37,11 @@ def tall_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, 
 
 
 register(
-    MergeMethod(
+    PerTaskMerge(
         name="tall",
         paper="https://arxiv.org/abs/2405.07813",
         summary="shared sum of task vectors plus a TALL mask per task (one model per task)",
         needs_base=True,
-        defaults={"mask_lam": 0.4},
-        grid={"mask_lam": (0.2, 0.3, 0.4, 0.5, 0.6)},
         index_fn=tall_index,
         reconstruct_fn=tall_reconstruct,
     )

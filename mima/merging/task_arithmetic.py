@@ -9,7 +9,7 @@ integer tensors come from theta_0.
 from __future__ import annotations
 
 from mima.merging.common import summed_task_vectors
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import ScaledMerge, register
 
 def task_arithmetic(models, base):
     """(key, theta_0, sum of task vectors) per key."""
@@ -17,13 +17,11 @@ def task_arithmetic(models, base):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="task_arithmetic",
         paper="https://arxiv.org/abs/2212.04089",
         summary="pretrained model plus lam times the sum of task vectors",
         needs_base=True,
-        defaults={"lam": 0.4},
-        grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))},
         scaled_fn=task_arithmetic,
         entrywise=True,
     )

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from mima.merging.registry import MergeMethod, floating_keys, register
+from mima.merging.registry import ScaledMerge, floating_keys, register
 
 TrimScope = Literal["global", "per-tensor"]
 
@@ -127,13 +127,11 @@ def ties(models, base, k: float, trim: TrimScope):
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="ties",
         paper="https://arxiv.org/abs/2306.01708",
         summary="trim to top-k% magnitude, elect signs, disjoint mean, scaled by lam",
         needs_base=True,
-        defaults={"lam": 1.0, "k": 20.0, "trim": "global"},
-        grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))},
         scaled_fn=ties,
         entrywise=True,
     )

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import polar_factor, svd
-from mima.merging.common import is_matrix_key, task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
-
-DEFAULT_TSV_MATRIX_KEYS = r"^(?!.*text_projection).*$"
+from mima.merging.catalogue import DEFAULT_TSV_MATRIX_KEYS
+from mima.merging.common import matrices_merged
+from mima.merging.registry import ScaledMerge, register
 
 
 def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
@@ -39,23 +38,15 @@ def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
 
 
 def tsv(models, base, matrix_keys: str = DEFAULT_TSV_MATRIX_KEYS):
-    for key, anchor, taus in task_vectors_by_key(models, base):
-        if taus is None:
-            yield key, anchor, None
-        elif is_matrix_key(key, anchor, matrix_keys):
-            yield key, anchor, tsv_matrix(taus)
-        else:
-            yield key, anchor, torch.stack(taus).mean(dim=0)
+    return matrices_merged(models, base, matrix_keys, tsv_matrix)
 
 
 register(
-    MergeMethod(
+    ScaledMerge(
         name="tsv",
         paper="https://arxiv.org/abs/2412.00081",
         summary="per-layer task singular vectors, orthogonalised across tasks",
         needs_base=True,
-        defaults={"lam": 1.0, "matrix_keys": DEFAULT_TSV_MATRIX_KEYS},
-        grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 31))},
         scaled_fn=tsv,
     )
 )

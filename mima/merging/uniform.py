@@ -7,7 +7,7 @@ around (paper 001). Every floating tensor is averaged; integer tensors come from
 from __future__ import annotations
 
 from mima.merging.common import mean_tensor
-from mima.merging.registry import MergeMethod, register
+from mima.merging.registry import StreamingMerge, register
 
 
 def uniform(models, base=None):
@@ -16,7 +16,7 @@ def uniform(models, base=None):
 
 
 register(
-    MergeMethod(
+    StreamingMerge(
         name="uniform",
         paper="https://arxiv.org/abs/2203.05482",
         summary="element-wise mean of the fine-tuned models",

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.common import EVERY_MATRIX, is_matrix_key, task_vectors_by_key
-from mima.merging.registry import MergeMethod, register
+from mima.merging.catalogue import EVERY_MATRIX
+from mima.merging.common import is_matrix_key, task_vectors_by_key
+from mima.merging.registry import StreamingMerge, register
 
 
 def wudi_gradient_terms(taus: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,12 +79,11 @@ def wudi(models, base, steps: int, lr: float, matrix_keys: str = EVERY_MATRIX):
 
 
 register(
-    MergeMethod(
+    StreamingMerge(
         name="wudi",
         paper="https://arxiv.org/abs/2503.08099",
         summary="per matrix: Adam on sum_t ||(X - tau_t) tau_t^T||^2 / ||tau_t||^2 from the sum of task vectors",
         needs_base=True,
-        defaults={"steps": 300, "lr": 1e-5, "matrix_keys": EVERY_MATRIX},
         stream_fn=wudi,
     )
 )

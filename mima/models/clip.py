@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 import torch
 from torch import nn
 
+from mima.core.cache_dir import cache_dir_or_default  # where the embedded model and zero-shot heads are cached
 from mima.core.errors import MimaError
 from mima.core.files import read_json, write_json_atomic
 
@@ -86,16 +87,11 @@ class LoadedClip:
         return int(size[0] if isinstance(size, (tuple, list)) else size)
 
 
-def default_cache_dir() -> Path:
-    """Where mima caches the embedded model and zero-shot heads: $MIMA_CACHE_DIR or ~/.cache/mima."""
-    return Path(os.environ.get("MIMA_CACHE_DIR", Path.home() / ".cache" / "mima"))
-
-
 def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | None = None,
               quick_gelu: QuickGelu = "auto") -> LoadedClip:
     """Load an open_clip CLIP (see the module docstring for accepted sources); `quick_gelu` is the
     run's `model.quick_gelu` (resolve_quick_gelu)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = cache_dir_or_default(cache_dir)
     if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or (pretrained or "").lower() in RANDOM_WEIGHTS:
         pretrained = None  # these sources carry their own weights; "none" asks for random ones
     activation = resolve_quick_gelu(name, pretrained, quick_gelu)

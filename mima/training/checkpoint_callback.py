@@ -41,20 +41,26 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
+from mima.config.defaults import CHECKPOINT_EVERY_ON_CPU
 from mima.core.errors import MimaError
-from mima.core.run_folder import RunFolder
+from mima.core.run_folder import JOINT, RunFolder
 from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_snapshot, flatten_moments, reference,
                                              references, state_writer)
 from mima.training.checkpoint_retention import Commitments, Retention, StateRecord
 from mima.training.phase_state import BufferName, PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
+from mima.training.resume import RunStart
 
 
 TIDY_EVERY_S = 0.5  # how often a process reads the shared record of durable states (store round trips)
@@ -73,7 +79,7 @@ class SaveSchedule:
     @staticmethod
     def parse(value: str | int | None) -> SaveSchedule:
         """The schedule a --checkpoint_every value names; anything else is one line naming the forms."""
-        text = "segment" if value is None else str(value).strip().lower()
+        text = CHECKPOINT_EVERY_ON_CPU if value is None else str(value).strip().lower()
         if text == "segment":
             return SaveSchedule("segment")
         if text == "phase":
@@ -99,16 +105,17 @@ class MimaCheckpoint(Checkpoint):
     Args:
         phase_state: the process's PhaseState (shared with the sync callback, which changes it).
         stop: the process's side of the stop protocol (its store also carries the durable states).
-        identity: what a state must agree on to be resumed (mima.training.resume.run_identity).
+        run_start: the run's identity, which every state records, and the cut this attempt resumes
+            (mima.training.resume.RunStart: filled by `mima fit` before training starts).
         every: when to save: a SaveSchedule or a --checkpoint_every value (see the module docstring).
         keep: keep the checkpoints folder after the run has finished.
     """
 
-    def __init__(self, phase_state: PhaseState, stop: StopAgreement, identity: dict,
-                 every: SaveSchedule | str | int = "segment", keep: bool = False) -> None:
+    def __init__(self, phase_state: PhaseState, stop: StopAgreement, run_start: RunStart,
+                 every: SaveSchedule | str | int = CHECKPOINT_EVERY_ON_CPU, keep: bool = False) -> None:
         self.phase_state = phase_state
         self.stop = stop
-        self.identity = identity
+        self.run_start = run_start
         self.every = every if isinstance(every, SaveSchedule) else SaveSchedule.parse(every)
         self.keep = keep
         self.writer: BackgroundWriter | None = None
@@ -129,12 +136,14 @@ class MimaCheckpoint(Checkpoint):
         self.last_tidied: tuple[int, StateRecord | None] | None = None  # (committed phase, cut) last tidied for
 
     # ------------------------------------------------------------------------- lifecycle
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint["mima"]
         self.phase_state.load_state_dict(saved["phase_state"])
         restore_rng(saved["rng"])
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.files = CheckpointFiles(Path(trainer.default_root_dir))
         self.writer = BackgroundWriter()
         self.stop.install()
@@ -148,17 +157,20 @@ class MimaCheckpoint(Checkpoint):
         partners = next((group for group in layout.task_group_ranks() if rank in group), [rank])
         self.commits = Commitments(self.stop.store, trainer.world_size, rank, partners)
         self.retention = Retention(self.files, rank, leader=layout.is_leader(rank), removes_shared=trainer.is_global_zero)
-        resumed = (getattr(trainer.strategy, "resume_states", None) or {}).get(rank)
+        resumed = self.run_start.state_of(rank)
         if resumed is not None and Path(resumed).parent == self.files.rank_dir(rank):
             name = STATE_NAME.match(Path(resumed).name)
             record = StateRecord(Path(resumed), int(name.group(1)), int(name.group(2)), durable=True)
             self.states.append(record)  # on disk and chosen by every process: durable and committed
             self.commits.publish(record.phase, record.step)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.watch.batch_starts(trainer.global_step)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any,
+                           batch_idx: int) -> None:
         if not self.watch.stepped(trainer.global_step):
             return  # a micro-batch that only accumulated gradients: no step boundary
         step, plan = trainer.global_step, pl_module.plan
@@ -179,7 +191,8 @@ class MimaCheckpoint(Checkpoint):
         if self.writer is not None:
             self.writer.flush()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.writer.close()
         self.bytes_written = self.writer.bytes_written
         finished = trainer.global_step >= pl_module.plan.local_steps and self.stopped_by is None
@@ -200,7 +213,8 @@ class MimaCheckpoint(Checkpoint):
             print(f"mima fit: checkpoints held up training for {float(stall):.2f} s (the slowest process: saving, "
                   "waiting for the writer, tidying up)", flush=True)
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.writer is not None:
             try:
                 self.writer.flush()  # what was queued is still a valid, older state
@@ -210,7 +224,7 @@ class MimaCheckpoint(Checkpoint):
     def _scheduled(self, trainer, pl_module, step: int) -> bool:
         """Whether the step that just ended is a save point of the schedule."""
         plan, every = pl_module.plan, self.every
-        if pl_module.hparams.mode == "joint":
+        if pl_module.hparams.mode == JOINT:
             if every.kind == "steps":
                 return step % int(every.amount) == 0
             period = plan.total_steps // pl_module.hparams.iterations  # the joint run's "phases"
@@ -250,9 +264,9 @@ class MimaCheckpoint(Checkpoint):
         plan = pl_module.plan
         step = trainer.global_step
         phase = plan.position(step).phase
-        checkpoint["mima"] = {"run": self.identity, "rank": trainer.global_rank, "phase": phase, "rng": capture_rng(),
+        checkpoint["mima"] = {"run": self.run_start.identity, "rank": trainer.global_rank, "phase": phase, "rng": capture_rng(),
                               "phase_state": self.phase_state.state_dict()}
-        inline = pl_module.hparams.mode == "joint" or not self._compact(trainer, pl_module, checkpoint)
+        inline = pl_module.hparams.mode == JOINT or not self._compact(trainer, pl_module, checkpoint)
         path = self.files.state(trainer.global_rank, phase, step)
         record = StateRecord(path, phase, step, frozenset(references(checkpoint)))
         self.states = [r for r in self.states if r.path != path] + [record]

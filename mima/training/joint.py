@@ -9,18 +9,25 @@ pretrained.safetensors before the first step, and the trained encoder as the run
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from mima.core.run_folder import JOINT, RunFolder
 
 
 class JointFinalCallback(Callback):
-    def on_fit_start(self, trainer, pl_module) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any,
+                           batch_idx: int) -> None:
         plan = pl_module.plan
         if trainer.global_step != plan.total_steps or not trainer.is_global_zero:
             return  # every process holds the same weights (DDP); one writes them

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from mima.core.errors import MimaError
+from mima.core.run_folder import JOINT
 from mima.models.batchnorm import freeze_batchnorm_statistics
 from mima.models.classifier import classify
-from mima.models.clip import LoadedClip, default_cache_dir, load_clip
+from mima.core.cache_dir import cache_dir_or_default
+from mima.models.clip import LoadedClip, load_clip
 from mima.models.heads import task_heads
 from mima.core.layout import TaskLayout
 from mima.training.lr_schedule import lr_factor
@@ -58,7 +60,7 @@ class MimaModule(L.LightningModule):
         # save_hyperparameters would read them from this __init__'s frame, which holds `options`)
         self.hparams.update(asdict(settings))
         clip, pretrained, cache_dir = settings.clip, settings.pretrained, settings.cache_dir
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.cache_dir = cache_dir_or_default(cache_dir)
         loaded = load_clip(clip, pretrained, cache_dir=self.cache_dir, quick_gelu=settings.quick_gelu)
         self.encoder = loaded.encoder
         if settings.grad_checkpointing is True:  # "auto": mima fit asks once its plan has decided
@@ -73,7 +75,6 @@ class MimaModule(L.LightningModule):
         self.layout: TaskLayout | None = None
         self.tasks: ProcessTasks | None = None  # from TaskSuiteDataModule.connect, in setup
         self.task_names: list[str] = []
-        self.shown_loss: float | None = None  # the progress bar's loss: the last one the host has read
         # whether a batch of the running segment came from another task's slot; a device flag read at
         # the segment end, not per step (reading it would make the host wait for the device)
         self.wrong_slot: torch.Tensor | None = None
@@ -97,7 +98,7 @@ class MimaModule(L.LightningModule):
                 rank=self.trainer.global_rank,
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
-                task_lengths=None if self.hparams.mode == "joint" else self.settings.task_lengths,
+                task_lengths=None if self.hparams.mode == JOINT else self.settings.task_lengths,
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
@@ -150,14 +151,14 @@ class MimaModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         batch = self._prepared(batch)
-        if self.hparams.mode == "joint":
+        if self.hparams.mode == JOINT:
             return self._joint_step(batch)
         images, labels, slots = batch
         position = self.plan.position(self.global_step)
         self._check_slots(slots, position)
         logits = classify(self.encoder, self.head(position.slot), images)
         # train/loss/<task> is logged by MimaSyncCallback once per optimiser step, read from the device
-        # at logging intervals; the progress bar shows the last value read (shown_loss)
+        # at logging intervals; the progress bar shows the last value read (PhaseState.shown_loss)
         return F.cross_entropy(logits, labels)
 
     def _check_slots(self, slots: torch.Tensor, position: StepPosition) -> None:
@@ -202,7 +203,8 @@ class MimaModule(L.LightningModule):
     # ------------------------------------------------------------------------- callbacks
     def configure_callbacks(self):
         """What a plain Trainer needs to run MIMA. `mima fit` passes its own sync (or joint) callback,
-        sharing the phase state with its checkpoints; then only the progress bar is added here."""
+        sharing the phase state with its checkpoints; then only the progress bar is added here. The
+        bar shows the loss the sync callback's phase state holds (none in the joint baseline)."""
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
         from mima.training.joint import JointFinalCallback
@@ -211,14 +213,19 @@ class MimaModule(L.LightningModule):
         from mima.training.sync_merge import SyncMerge
 
         callbacks = []
-        if not any(isinstance(c, (MimaSyncCallback, JointFinalCallback)) for c in self.trainer.callbacks):
-            callbacks.append(JointFinalCallback() if self.hparams.mode == "joint" else MimaSyncCallback(
-                sync_merge=SyncMerge(self.hparams.sync_merge, self.hparams.sync_merge_args)))
+        sync = next((c for c in self.trainer.callbacks if isinstance(c, MimaSyncCallback)), None)
+        if sync is None and not any(isinstance(c, JointFinalCallback) for c in self.trainer.callbacks):
+            if self.hparams.mode == JOINT:
+                callbacks.append(JointFinalCallback())
+            else:
+                sync = MimaSyncCallback(sync_merge=SyncMerge(self.hparams.sync_merge, self.hparams.sync_merge_args))
+                callbacks.append(sync)
+        phase_state = sync.phases if sync is not None else None
         bar = type(self.trainer.progress_bar_callback)  # the default bars are replaced, not the user's own
         if bar is TQDMProgressBar:
-            callbacks.append(MimaProgressBar())
+            callbacks.append(MimaProgressBar(phase_state))
         elif bar is RichProgressBar:
-            callbacks.append(MimaRichProgressBar())
+            callbacks.append(MimaRichProgressBar(phase_state))
         return callbacks
 
 

@@ -5,7 +5,8 @@ the phase's start point `avg`, each of its task slots' end weights of the runnin
 kept AdamW moments (`optimizer_state: keep`), the per-slot loss sums, and whether a sync is
 pending (a stop came at a sync, before it ran). `mima fit` makes one per process and hands it to
 the two callbacks that need it: MimaSyncCallback changes it, MimaCheckpoint only serialises and
-restores it. Neither callback reads the other.
+restores it. Neither callback reads the other. The progress bar (mima.training.progress) reads the
+newest logged loss from it, which the host has read anyway (`shown_loss`).
 
 The end weights and kept moments live in host memory, in `HostBuffers`: one buffer per (kind,
 slot), allocated in the first phase and refilled at every later segment end (pinned when the
@@ -212,6 +213,7 @@ class PhaseState:
     pending_sync: bool = False  # stopped at a sync before entering it: run it first on resume
     step_seconds: float | None = None  # this process's median step time (how long its syncs wait; not the weights)
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
+    shown_loss: float | None = None  # the newest step loss logged, for the progress bar (not saved)
     host: HostBuffers = field(default_factory=HostBuffers)  # the memory segment_ends and task_moments live in
 
     def keep_segment_end(self, slot: int, phase: int, weights: Mapping[str, torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mima.config.defaults import COLLECTIVE_TIMEOUT_S
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 
@@ -70,7 +71,7 @@ class StopAgreement:
             the time the plan gives the others to finish their steps (`at_sync`'s allowance).
     """
 
-    def __init__(self, run_dir: Path, enabled: bool = True, timeout_s: float = 1800.0) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.enabled = enabled
         self.timeout_s = timeout_s  # how long a sync waits for the other processes (as a collective would)
         self.stop_file = RunFolder(Path(run_dir)).stop_file

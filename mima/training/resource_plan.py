@@ -39,6 +39,7 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout, allowed_world_sizes
+from mima.core.run_folder import JOINT
 from mima.models.footprint import ModelFootprint, safetensors_file_bytes
 from mima.training.checkpoint_callback import SaveSchedule, capture_rng
 from mima.training.plan_choices import (
@@ -410,13 +411,13 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
     trainer = dict(config.other.get("trainer") or {}) | dict(trainer or {})
     settings = ModelSettings(**config.model_args())
     tasks = list(tasks) if tasks is not None else plan_tasks(config)
-    joint = settings.mode == "joint"
+    joint = settings.mode == JOINT
     lengths = ((settings.steps,) * 1,) if joint else settings.task_lengths(tasks)
     precision = str(trainer.get("precision") or "32-true")
     on_gpu = trains_on_gpu(trainer)
     schedule = choose_checkpoint_every(checkpoint_every, on_gpu)
     inputs = PlanInputs(
-        tasks=("joint",) if joint else tuple(tasks), task_lengths=tuple(lengths), world_size=world_size,
+        tasks=(JOINT,) if joint else tuple(tasks), task_lengths=tuple(lengths), world_size=world_size,
         num_nodes=num_nodes, batch_size=int(config.data.batch_size), num_workers=int(config.data.num_workers),
         precision=precision, accelerator="gpu" if on_gpu else "cpu", optimizer_state=settings.optimizer_state,
         checkpoint_every=schedule.value, log_every_n_steps=int(trainer.get("log_every_n_steps") or 10),

@@ -80,6 +80,25 @@ class ResumeCut(dict):
         self.set_aside = list(set_aside)
 
 
+@dataclass
+class RunStart:
+    """Where this attempt of a run starts, handed at construction to those that need it: the strategy
+    loads each process's state of `cut`, the checkpoint callback stamps every state with `identity`
+    and keeps the resumed state as its first. `mima fit` builds them before it may know the number of
+    processes (Lightning resolves "auto" devices), so it fills this in (`settle`) once it does, and
+    before training starts."""
+
+    identity: dict | None = None  # what a saved state must agree on to be resumed (run_identity)
+    cut: ResumeCut | None = None  # the cut to resume; None: a fresh start
+
+    def settle(self, identity: dict, cut: ResumeCut | None) -> None:
+        self.identity, self.cut = identity, cut
+
+    def state_of(self, rank: int) -> Path | None:
+        """The cut's state file of process `rank` of the layout that wrote it (None: a fresh start)."""
+        return None if self.cut is None else self.cut.get(rank)
+
+
 def _read_saved_state(path: Path, rank: int, run_dir: Path, expected: dict) -> tuple[SavedState | None, int | None, str | None]:
     """(the state in `path`, the W that wrote it, why it cannot serve a resume). A cut-off or damaged
     file, or one referring to a missing file, gives no state and a note; an identity mismatch (other

@@ -22,44 +22,55 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
+from mima.config.defaults import COLLECTIVE_TIMEOUT_S
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
 from mima.training.checkpoint_format import expand
 from mima.training.elastic import redealt_state, set_aside
 from mima.training.preemption import StopAgreement, stop_store
-from mima.training.resume import ResumeCut
+from mima.training.resume import RunStart
 
 
 class MimaStrategy(DDPStrategy):
     """Task-parallel DDP for MimaModule.
 
     Args:
-        num_tasks: T, the number of tasks of the run (set by `mima fit` from the data config).
+        num_tasks: T, the number of tasks of the run (`mima fit` gives it from the data config).
         timeout_s: seconds a collective may wait for the other processes before the run fails.
         stop: this process's side of the stop protocol (made by `mima fit`; connected here once the
             process group exists). None: stop requests are ignored.
+        task_work: each task's budget S_t, by which tasks are dealt to processes (TaskLayout.work;
+            empty: by count).
+        run_start: the cut each process loads its state from (mima.training.resume.RunStart, filled
+            by `mima fit` before training starts). None: no resume.
+        cluster_environment: Lightning's (None: the one Lightning detects).
         **ddp_options: keyword arguments of DistributedDataParallel for the replicas of a task.
     """
 
-    def __init__(self, num_tasks: int = 1, timeout_s: int = 1800, stop: StopAgreement | None = None,
-                 **ddp_options) -> None:
-        super().__init__(timeout=timedelta(seconds=timeout_s), **ddp_options)
+    def __init__(self, num_tasks: int = 1, timeout_s: int = COLLECTIVE_TIMEOUT_S, stop: StopAgreement | None = None,
+                 task_work: tuple[int, ...] = (), run_start: RunStart | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, **ddp_options: Any) -> None:
+        super().__init__(cluster_environment=cluster_environment, timeout=timedelta(seconds=timeout_s), **ddp_options)
         self.num_tasks = num_tasks
-        self.task_work: tuple[int, ...] = ()  # each task's budget, by which tasks are dealt (set by `mima fit`)
+        self.task_work = tuple(task_work)
         self.timeout_s = timeout_s
         self.ddp_options = ddp_options
         self.stop = stop
+        self.run_start = run_start if run_start is not None else RunStart()
         self.layout: TaskLayout | None = None
         self.task_group = None
-        self.resume_states: ResumeCut | None = None  # rank -> state file (mima.training.resume), set by `mima fit`
 
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self.layout = TaskLayout(self.num_tasks, self.world_size, self.task_work)
@@ -72,7 +83,8 @@ class MimaStrategy(DDPStrategy):
                                    self.root_device, self.timeout_s)
             self.stop.connect(self.world_size, self.task_group, self.root_device, store)
 
-    def setup(self, trainer) -> None:
+    @override
+    def setup(self, trainer: lightning.pytorch.Trainer) -> None:
         super().setup(trainer)
         # Lightning broadcasts a "SIGTERM seen" flag from rank 0 before every training step.
         # Processes that own different numbers of tasks take different numbers of steps between
@@ -89,6 +101,7 @@ class MimaStrategy(DDPStrategy):
             )
         epoch_loop._broadcast_sigterm_tensor = lambda: None
 
+    @override
     def configure_ddp(self) -> None:
         """Wrap the module in DDP over its task's replicas only; a process alone with its tasks is not
         wrapped (it has no gradient to share with anyone)."""
@@ -97,6 +110,7 @@ class MimaStrategy(DDPStrategy):
         self.model = DistributedDataParallel(module=self.model, device_ids=self.determine_ddp_device_ids(),
                                              process_group=self.task_group, **self.ddp_options)
 
+    @override
     def teardown(self) -> None:
         super().teardown()
         # mima only fits: release the process group (and its port) so that a later fit in the same
@@ -105,14 +119,16 @@ class MimaStrategy(DDPStrategy):
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         raise MimaError("mima saves checkpoints with MimaCheckpoint (each process its own); trainer.save_checkpoint is not supported")
 
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """This process's state of the cut chosen by `mima fit`, with its file references resolved; a
         cut saved by another number of processes is re-dealt (mima.training.elastic). Every process
         loads here, so states of other layouts are set aside only once all have loaded theirs."""
-        cut = self.resume_states
+        cut = self.run_start.cut
         run_dir = Path(checkpoint_path).parent
         redeal = getattr(cut, "redeal", None)
         if redeal is not None:
@@ -129,5 +145,6 @@ class MimaStrategy(DDPStrategy):
             self.barrier("mima: other layouts set aside")
         return state
 
-    def remove_checkpoint(self, filepath) -> None:
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         pass  # MimaCheckpoint removes what it no longer needs

@@ -34,9 +34,13 @@ import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
@@ -118,7 +122,8 @@ class MimaSyncCallback(Callback):
         self.optimizer_holds: int | None = None
 
     # ----------------------------------------------------------------------------- start
-    def on_fit_start(self, trainer, pl_module) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stop is None:
             self.stop = StopAgreement(Path(trainer.default_root_dir), enabled=False)
         encoder_state = pl_module.encoder.state_dict()
@@ -131,7 +136,8 @@ class MimaSyncCallback(Callback):
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.stop is not None:
             self.stop.report_failure(trainer.global_rank)
         try:  # the losses of the steps before the failure, as the loggers had them when read per step
@@ -139,7 +145,8 @@ class MimaSyncCallback(Callback):
         except Exception:  # a failed device cannot hand them over; the original error is the one to report
             pass
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here, unlike in on_fit_start, Lightning has already restored the step counter and optimiser.
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
@@ -154,10 +161,13 @@ class MimaSyncCallback(Callback):
                 raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
 
     # ------------------------------------------------------------------------ each step
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.watch.batch_starts(trainer.global_step)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any,
+                           batch_idx: int) -> None:
         plan = pl_module.plan
         stepped = self.watch.stepped(trainer.global_step)
         # the step this (micro-)batch belongs to; global_step counts it only once the optimiser stepped
@@ -184,7 +194,8 @@ class MimaSyncCallback(Callback):
             self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
         self.clock.restart(time.monotonic())
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_step_losses(trainer, pl_module)  # a run stopped inside a segment: its last steps' losses
 
     def _sync(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> bool:
@@ -216,7 +227,7 @@ class MimaSyncCallback(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics({f"train/loss/{task}": row.value}, step=row.step)
         if rows:
-            pl_module.shown_loss = rows[-1].value
+            self.phases.shown_loss = rows[-1].value
 
     def _end_segment(self, trainer, pl_module, position) -> None:
         """Keep the task's end weights and (optimizer_state: keep) its moments, copied into the slot's

@@ -6,14 +6,13 @@ cosine_vs_N.png, by default into RUN/analysis/cosine (or the sweep folder's anal
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from mima.analysis.common import output_folder, write_json
 from mima.analysis.cosine.compute import RunCosines, check_runs, cosine_table, run_cosines
-from mima.analysis.cosine.options import NAME
+from mima.analysis.cosine.options import NAME, CosineOptions
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder, SweepFolder
 
@@ -85,5 +84,5 @@ def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = Fa
     return result
 
 
-def main(options: argparse.Namespace) -> None:
+def main(options: CosineOptions) -> None:
     analyse(options.runs, options.out, options.overwrite)

@@ -4,9 +4,20 @@ answer before torch is loaded."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+from mima.analysis.options import OutputOptions
+
 NAME = "cosine"
+
+
+@dataclass(frozen=True)
+class CosineOptions(OutputOptions):
+    runs: tuple[Path, ...]  # run folders, or one sweep folder
+
+
+OPTIONS = CosineOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,6 @@ Writes ctl.json, ctl.png and (with theta_0) ctl_arithmetic.png, by default into 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from mima.analysis.ctl.compute import (
     select_layers,
     task_arithmetic_linearity,
 )
-from mima.analysis.ctl.options import NAME
+from mima.analysis.ctl.options import NAME, CtlOptions
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
@@ -42,7 +41,7 @@ class _Inputs:
     run: RunFolder | None
 
 
-def _resolve_inputs(options: argparse.Namespace) -> _Inputs:
+def _resolve_inputs(options: CtlOptions) -> _Inputs:
     """Pick the two model files (without loading every task model of a run)."""
     paths = list(options.models)
     if len(paths) == 1 and paths[0].is_dir():
@@ -69,7 +68,7 @@ def _resolve_inputs(options: argparse.Namespace) -> _Inputs:
     return _Inputs(tasks, paths, options.base, options.config, None)
 
 
-def _check_options(options: argparse.Namespace) -> None:
+def _check_options(options: CtlOptions) -> None:
     bad = [a for a in options.alphas if not 0.0 <= a <= 1.0]
     if bad:
         raise MimaError(f"--alphas {bad[0]:g}: each alpha must lie in [0, 1]")
@@ -85,7 +84,7 @@ def _load(path: Path, option: str) -> StateDict:
     return load_state_dict(path)
 
 
-def main(options: argparse.Namespace) -> dict:
+def main(options: CtlOptions) -> dict:
     from mima.analysis.ctl.plot import ARITHMETIC_TEXT, plot_linearity
     from mima.analysis.figures import save_figure
 

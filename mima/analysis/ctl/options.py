@@ -5,13 +5,29 @@ the help and argument errors answer before torch is loaded; the computation read
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from mima.analysis.options import add_model_arguments, add_output_arguments
+from mima.analysis.options import ModelOptions, OutputOptions, add_model_arguments, add_output_arguments
 
 NAME = "ctl"
 OUTPUT = "output"  # layer name standing for the whole model's output (the tower's embedding)
 DEFAULT_ALPHAS = (0.25, 0.5, 0.75)
 PAPER_LAMBDA = 0.4
+
+
+@dataclass(frozen=True)
+class CtlOptions(ModelOptions, OutputOptions):
+    tasks: tuple[str, str] | None  # None: the run's first two, or the files' names
+    alphas: tuple[float, ...]
+    examples: int
+    layers: str | None  # a regular expression of module names; None: every block and the output
+    lam: float
+    no_arithmetic: bool
+    batch_size: int
+    device: str | None  # None: cuda when available, else cpu
+
+
+OPTIONS = CtlOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,6 @@ by default into RUN/analysis/gradients.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ from mima.analysis.gradients.compute import (
     analyse_gradients,
     snapshot,
 )
-from mima.analysis.gradients.options import DEFAULT_LR, NAME
+from mima.analysis.gradients.options import DEFAULT_LR, NAME, GradientsOptions
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
@@ -29,7 +28,7 @@ JSON_FILE = f"{NAME}.json"
 FIGURE_FILE = f"{NAME}.png"
 
 
-def settings_from_options(options: argparse.Namespace) -> GradientSettings:
+def settings_from_options(options: GradientsOptions) -> GradientSettings:
     weight_decay = options.weight_decay
     if weight_decay is None:
         weight_decay = 0.1 if options.optimizer == "adamw" else 0.0
@@ -108,7 +107,7 @@ def _summary(results: Mapping) -> list[str]:
     return lines
 
 
-def main(options: argparse.Namespace) -> None:
+def main(options: GradientsOptions) -> None:
     from mima.analysis.gradients.plot import plot_gradients
 
     started = time.perf_counter()

@@ -5,10 +5,30 @@ the help and argument errors answer before torch is loaded; the computation read
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+
+from mima.analysis.options import OutputOptions
 
 NAME = "gradients"
 DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adamw": 1e-3}
+
+
+@dataclass(frozen=True)
+class GradientsOptions(OutputOptions):
+    run: Path  # a run folder or a fit config file
+    tasks: tuple[str, ...] | None  # None: every task of the run
+    epochs: int
+    optimizer: str  # "sgd" or "adamw"
+    lr: float | None  # None: DEFAULT_LR of the optimizer
+    weight_decay: float | None
+    batch_size: int
+    train_examples: int | None
+    seed: int
+    device: str | None
+
+
+OPTIONS = GradientsOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,11 +4,25 @@ the help and argument errors answer before torch is loaded."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from mima.analysis.options import add_model_arguments, add_output_arguments
+from mima.analysis.options import ModelOptions, OutputOptions, add_model_arguments, add_output_arguments
 
 NAME = "landscape"
 DEFAULT_MERGES = ("uniform", "task_arithmetic")
+
+
+@dataclass(frozen=True)
+class LandscapeOptions(ModelOptions, OutputOptions):
+    tasks: tuple[str, str]
+    resolution: int
+    margin: float
+    examples: int
+    merges: tuple[str, ...]
+    lam: float | None  # None: each merge's own default
+
+
+OPTIONS = LandscapeOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,6 @@ rank-sweep_layers.png, by default into RUN/analysis/rank-sweep.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import time
@@ -22,7 +21,7 @@ from mima.analysis.rank_sweep.compute import (
     mean_relative,
     rank_sweep,
 )
-from mima.analysis.rank_sweep.options import NAME
+from mima.analysis.rank_sweep.options import NAME, RankSweepOptions
 from mima.core.errors import MimaError
 from mima.core.state_dicts import check_compatible
 from mima.merging.cart import cart_rank, is_matrix
@@ -32,7 +31,7 @@ FILES = ("rank-sweep.json", "rank-sweep.png", "rank-sweep_layers.png")
 LAM_OPTION = {"centered": "lam_cart", "original": "lam_ta"}
 
 
-def _check_options(options: argparse.Namespace) -> None:
+def _check_options(options: RankSweepOptions) -> None:
     for ratio in options.ratios:
         if not (math.isfinite(ratio) and 0 <= ratio <= 1):
             raise MimaError(f"--ratios {ratio:g}: expected fractions of the rank in [0, 1]")
@@ -50,7 +49,7 @@ def _check_options(options: argparse.Namespace) -> None:
         raise MimaError(f"--matrix-keys {options.matrix_keys!r}: not a regular expression ({exc})") from None
 
 
-def main(options: argparse.Namespace) -> None:
+def main(options: RankSweepOptions) -> None:
     from mima.analysis.figures import save_figure
     from mima.analysis.rank_sweep.plot import plot_accuracy, plot_layers
 

@@ -5,14 +5,29 @@ the help and argument errors answer before torch is loaded; the computation read
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from mima.analysis.options import add_model_arguments, add_output_arguments
+from mima.analysis.options import ModelOptions, OutputOptions, add_model_arguments, add_output_arguments
 from mima.merging.catalogue import DEFAULT_MATRIX_KEYS
 
 NAME = "rank-sweep"
 DEFAULT_RATIOS = (0.0, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0)
 DEFAULT_LAM_CART = 1.0
 DEFAULT_LAM_TA = 0.3
+
+
+@dataclass(frozen=True)
+class RankSweepOptions(ModelOptions, OutputOptions):
+    ratios: tuple[float, ...]
+    ranks: tuple[int, ...] | None  # None: every rank
+    lam_cart: float
+    lam_ta: float
+    split: str  # "test" or "val"
+    matrix_keys: str
+    no_accuracy: bool
+
+
+OPTIONS = RankSweepOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

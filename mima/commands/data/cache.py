@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mima.commands.common import OneLineParser, add_config_arguments, config_with_root, frozen_options
+from mima.core.cache_dir import CACHE_DIR_VARIABLE, DATA_CACHE_FOLDER
 from mima.core.errors import MimaError
 
 
@@ -22,8 +23,8 @@ def parse(argv: Sequence[str]) -> CacheOptions:
         prog="mima data cache",
         description="Build the decoded-image cache of a `mima fit` config's tasks (mima.data.cache_store): each split "
         "decoded once through the model's evaluation transform (resize, centre crop) and stored as uint8, where "
-        "data.cache_dir says (default $MIMA_CACHE_DIR/data). Stale or missing splits are rebuilt, others kept. "
-        "`mima fit` with data.cache: true builds what is missing itself.",
+        f"data.cache_dir says (default ${CACHE_DIR_VARIABLE}/{DATA_CACHE_FOLDER}). "
+        "Stale or missing splits are rebuilt, others kept. `mima fit` with data.cache: true builds what is missing itself.",
     )
     add_config_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="decoding processes (default: data.num_workers or up to 4)")
@@ -33,14 +34,15 @@ def parse(argv: Sequence[str]) -> CacheOptions:
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
     config = config_with_root(options)
-    from mima.models.clip import default_cache_dir, load_clip
+    from mima.core.cache_dir import cache_dir_or_default
+    from mima.models.clip import load_clip
 
     if options.workers is not None:
         if options.workers < 0:
             raise MimaError(f"--workers must be >= 0, got {options.workers}")
         config.data.num_workers = options.workers
     model = config.model
-    loaded = load_clip(model.clip, model.pretrained, cache_dir=Path(model.cache_dir) if model.cache_dir else default_cache_dir(),
+    loaded = load_clip(model.clip, model.pretrained, cache_dir=cache_dir_or_default(model.cache_dir),
                        quick_gelu=model.quick_gelu)
     data = config.datamodule()
     for task in data.build_cache(loaded.image_size, loaded.preprocess):

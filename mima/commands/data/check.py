@@ -1,4 +1,7 @@
-"""`mima data check`: which benchmark tasks are ready under a data root (mima.data.check)."""
+"""Check the files of the clip suite's benchmark tasks under a data root (names on disk only, nothing
+is opened). Exit status 0 when every checked task is found, 1 otherwise.
+"""
+# `mima data check`: which benchmark tasks are ready under a data root (mima.data.check).
 
 from __future__ import annotations
 
@@ -19,11 +22,7 @@ class CheckOptions:
 
 
 def parse(argv: Sequence[str]) -> CheckOptions:
-    parser = OneLineParser(
-        prog="mima data check",
-        description="Check the files of the clip suite's benchmark tasks under a data root (names on disk only, "
-        "nothing is opened). Exit status 0 when every checked task is found, 1 otherwise.",
-    )
+    parser = OneLineParser(prog="mima data check", description=__doc__)
     add_root_and_tasks(parser, "check")
     parser.add_argument("--download", action="store_true",
                         help="first let torchvision download the checked tasks it can (needs internet)")

@@ -1,4 +1,9 @@
-"""`mima data prepare`: the publishers' archives laid out under --root (mima.data.prepare)."""
+"""Lay out the clip suite's tasks under --root from the archives their publishers distribute, with
+task_vectors' splits (README, 'Real tasks'). One line per task: prepared (with its split sizes),
+already there, or what is missing and where to get it. Exit status 0 when every task is ready, 1
+otherwise.
+"""
+# `mima data prepare`: the publishers' archives laid out under --root (mima.data.prepare).
 
 from __future__ import annotations
 
@@ -22,12 +27,7 @@ class PrepareOptions:
 
 
 def parse(argv: Sequence[str]) -> PrepareOptions:
-    parser = OneLineParser(
-        prog="mima data prepare",
-        description="Lay out the clip suite's tasks under --root from the archives their publishers distribute, "
-        "with task_vectors' splits (README, 'Real tasks'). One line per task: prepared (with its split sizes), already "
-        "there, or what is missing and where to get it. Exit status 0 when every task is ready, 1 otherwise.",
-    )
+    parser = OneLineParser(prog="mima data prepare", description=__doc__)
     add_root_and_tasks(parser, "prepare")
     parser.add_argument("--archives", type=Path, default=None, help="the folder holding the downloaded archives (default: --root)")
     parser.add_argument("--download", action="store_true", help="first fetch what torchvision's downloader can (needs internet)")

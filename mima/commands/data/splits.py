@@ -1,4 +1,11 @@
-"""`mima data splits`: each task's train/val/test example indices as JSON (mima.data.splits)."""
+"""Write, for each task of a `mima fit` config, the example indices of its train, val and test splits
+to OUT/<task>.json: indices into the dataset each split is read from (`from`: the task's training
+split, a validation split it ships, or its test split), in the order torchvision or the folder
+listing gives them. Validation is carved as task_vectors carves it (random_split,
+manual_seed(data.split_seed), the permutation's tail, 10% of the training split, at most 5000).
+Nothing is decoded.
+"""
+# `mima data splits`: each task's train/val/test example indices as JSON (mima.data.splits).
 
 from __future__ import annotations
 
@@ -19,14 +26,7 @@ class SplitsOptions:
 
 
 def parse(argv: Sequence[str]) -> SplitsOptions:
-    parser = OneLineParser(
-        prog="mima data splits",
-        description="Write, for each task of a `mima fit` config, the example indices of its train, val and test "
-        "splits to OUT/<task>.json: indices into the dataset each split is read from (`from`: the task's training "
-        "split, a validation split it ships, or its test split), in the order torchvision or the folder listing "
-        "gives them. Validation is carved as task_vectors carves it (random_split, manual_seed(data.split_seed), "
-        "the permutation's tail, 10%% of the training split, at most 5000). Nothing is decoded.",
-    )
+    parser = OneLineParser(prog="mima data splits", description=__doc__)
     add_config_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files (one per task)")
     parser.add_argument("--overwrite", action="store_true", help="replace split files already in --out")

@@ -1,34 +1,48 @@
-"""The options of the commands whose modules import torch (merge, report) and the defaults the demo and
-evaluate parsers show: declared here, importing nothing heavy, so that `mima COMMAND --help` and
-argument errors answer before torch is loaded. The commands (mima.merge_command, mima.report,
-mima.demo) run the parsed options.
-"""
+"""`mima merge`'s options: declared here, importing nothing heavy, so that `mima merge --help` and
+argument errors answer before torch is loaded; `parse` (mima.commands.merge) reads them into
+MergeOptions, which mima.commands.merge.run runs."""
 
 from __future__ import annotations
 
 import argparse
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from mima.commands.common import device_spelling
 from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter
 
-DEMO_ITERATIONS = (1, 2, 4, 8)
-DEMO_MERGES = ("uniform", "task_arithmetic", "ties", "cart")  # the foundation merges; --merges picks others
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """A parsed `mima merge` command line."""
+
+    method: str  # a declared strategy's name (checked by parse)
+    models: tuple[Path, ...]  # safetensors state dicts, or one `mima fit` run folder
+    output: Path
+    base: Path | None = None
+    config: Path | None = None  # a mima fit config or run folder: the tasks' model and data
+    select_on: str | None = None  # "val": choose the hyperparameters on the validation splits
+    overwrite: bool = False
+    allow_non_finite: bool = False
+    device: str = "auto"  # as --device spells it (auto, cpu, cuda, cuda:N)
+    # the hyperparameter flags given, {name: value} as the strategy takes them (unchecked against the method)
+    hyperparameters: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> MergeOptions:
+        """The options of a Namespace that add_merge_arguments' parser gave; the one place it is read."""
+        given = {name: spec.from_command_line(getattr(namespace, name)) for name, spec in HYPERPARAMETERS.items()
+                 if getattr(namespace, name) is not None}
+        return cls(method=namespace.method, models=tuple(namespace.models), output=namespace.output, base=namespace.base,
+                   config=namespace.config, select_on=namespace.select_on, overwrite=namespace.overwrite,
+                   allow_non_finite=namespace.allow_non_finite, device=namespace.device, hyperparameters=given)
 
 
-# ------------------------------------------------------------------------------ merge
+
 def _flag_help(spec: Hyperparameter) -> str:
     takers = sorted(name for name, strategy in STRATEGIES.items() if spec.name in strategy.hyperparameters)
     what = spec.doc if spec.choices is not None else f"{spec.doc}; {spec.meaning}"  # argparse lists the choices
     return f"{what} (methods: {', '.join(takers) or 'none'})".replace("%", "%%")
-
-
-def device_spelling(text: str) -> str:
-    """A device as the merge commands spell it (checked without torch; whether this machine has it is
-    checked when the command runs, mima.merging.engine.merge_device)."""
-    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text.strip().lower()) is None:
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    return text
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +64,3 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                                       "each method takes some, see its docstring)")
     for spec in HYPERPARAMETERS.values():
         hyper.add_argument(spec.flag, dest=spec.name, default=None, help=_flag_help(spec), **spec.argparse_options())
-
-
-# ----------------------------------------------------------------------------- report
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", type=Path, help="a sweep folder (results.json, runs/) or a `mima fit` run folder")
-    parser.add_argument("--out", type=Path, help="where report.md and report.html go (default: the folder itself)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier report in --out")

@@ -26,16 +26,18 @@ the inputs (under any name), a folder, or left half written.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mima.commands.merge.options import MergeOptions
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
-from mima.merging.registry import HYPERPARAMETERS, MergeMethod
-from mima.merging.selection import Selection, merge_with_defaults, select_on_validation
+from mima.merging.registry import HYPERPARAMETERS, DataFreeMerge, MergeMethod, PerTaskMerge
+from mima.merging.selection import BestPoint, Selection, merge_with_defaults, select_on_validation
 
 if TYPE_CHECKING:
     from mima.pools import TaskPool
@@ -45,20 +47,19 @@ def flag(name: str) -> str:
     return HYPERPARAMETERS[name].flag if name in HYPERPARAMETERS else "--" + name.replace("_", "-")
 
 
-def given_hyperparameters(options, method: MergeMethod) -> dict[str, object]:
-    """The hyperparameter flags given, as the strategy takes them, each checked (errors name the flag)."""
-    given = {name: spec.from_command_line(getattr(options, name)) for name, spec in HYPERPARAMETERS.items()
-             if getattr(options, name, None) is not None}
+def check_hyperparameter_flags(method: MergeMethod, given: Mapping[str, object]) -> None:
+    """Refuse, naming the flag, a hyperparameter given that the method does not take, a bad value, or one
+    the chosen mode does not use."""
     for name in given:
         if name not in method.defaults:
             raise MimaError(f"{flag(name)} does not apply to merge method '{method.name}'")
-    method.hyperparameters(given, spell=flag)  # values, and those the chosen mode does not use
-    return given
+    method.hyperparameters(given, spell=flag)
 
 
-def run_merge(options) -> None:
+def run_merge(options: MergeOptions) -> None:
     method = get_method(options.method)
-    given = given_hyperparameters(options, method)
+    given = options.hyperparameters
+    check_hyperparameter_flags(method, given)
     device = merge_device(options.device, "--device")  # an absent GPU is refused before any file is opened
     if options.output.is_dir():  # before any work: no --overwrite replaces a folder by a file
         raise MimaError(f"{options.output}: is a folder; give a file name to write")
@@ -84,8 +85,7 @@ def run_merge(options) -> None:
             raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
         metadata = {"method": method.name, "models": [str(p) for p in model_paths],
                     "base": str(base_path) if method.needs_base else None}
-        streamable = not method.needs_data and not method.per_task and not options.select_on
-        if streamable:
+        if isinstance(method, DataFreeMerge) and not options.select_on:  # streams, tensor by tensor
             merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(checked.values)},
                           options.overwrite, allow_non_finite=allow, device=device)
             selection = Selection(method.name, checked.values, None)
@@ -95,9 +95,10 @@ def run_merge(options) -> None:
             base = dict(checked.base.items()) if checked.base is not None else None
             # the method bound to the device, so that selection's merges and sweeps compute there too
             selection = choose(method.on(device), models, base, pool, given, options.select_on, allow)
-            order = list(selection.merged) if method.per_task else list((base or models[0]).keys())
+            per_task = isinstance(method, PerTaskMerge)
+            order = list(selection.merged) if per_task else list((base or models[0]).keys())
             meta = {**metadata, "hparams": printable(selection.hparams)}
-            if method.per_task:
+            if per_task:
                 meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
             write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
     if pool is not None:
@@ -107,21 +108,22 @@ def run_merge(options) -> None:
           f"{where} -> {options.output}")
 
 
-def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: dict, select_on: str | None,
+def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: Mapping[str, object], select_on: str | None,
            allow_non_finite: bool = False) -> Selection:
     if select_on is None:
         output = method.merge(models, base, pool, allow_non_finite, **given)
         return Selection(method.name, method.hyperparameters(given), None, [], output.state, output.notes)
     validation = pool.evaluator("val")
-    if method.per_task:
+    if isinstance(method, PerTaskMerge):
         return select_per_task(method, models, base, pool, allow_non_finite)
     if given:
         raise MimaError("--select-on val chooses the hyperparameters itself; leave them out or drop --select-on")
     return select_on_validation(method, models, base, validation.mean_accuracy, pool=pool, allow_non_finite=allow_non_finite)
 
 
-def select_per_task(method: MergeMethod, models, base, pool: "TaskPool", allow_non_finite: bool = False) -> Selection:
-    """Per-task methods pick their grid value for each task on that task's own validation split."""
+def select_per_task(method: PerTaskMerge, models, base, pool: "TaskPool", allow_non_finite: bool = False) -> Selection:
+    """Per-task methods pick their grid value for each task on that task's own validation split (the
+    best score, the first value on ties: BestPoint)."""
     if not method.grid:
         return merge_with_defaults(method, models, base, allow_non_finite=allow_non_finite)
     (name, values), = method.grid.items()
@@ -129,8 +131,13 @@ def select_per_task(method: MergeMethod, models, base, pool: "TaskPool", allow_n
     scores: dict[float, list[float]] = {}
     for value in values:
         index = method(models, base, allow_non_finite=allow_non_finite, **{name: value})
-        scores[value] = [validation.accuracy(method.reconstruct_fn(index, t), [task])[task] for t, task in enumerate(pool.tasks)]
-    best = [max(values, key=lambda v: scores[v][t]) for t in range(len(pool.tasks))]
+        scores[value] = [validation.accuracy(method.reconstruct(index, t), [task])[task] for t, task in enumerate(pool.tasks)]
+    best = []
+    for t in range(len(pool.tasks)):
+        task_best: BestPoint[object] = BestPoint()
+        for value in values:
+            task_best.offer(scores[value][t], value)
+        best.append(task_best.point)
     trials = [{name: value, "task": task, "score": scores[value][t]} for value in values for t, task in enumerate(pool.tasks)]
     chosen = method.hyperparameters({name: best})
     return Selection(method.name, chosen, None, trials, method(models, base, allow_non_finite=allow_non_finite, **{name: best}))
@@ -147,8 +154,8 @@ def printable(hparams: dict) -> dict:
 def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool", overwrite: bool = True) -> None:
     """Each task's test accuracy (per-task methods: of that task's own model), written beside the output."""
     test = pool.evaluator("test")
-    if method.per_task:
-        accuracy = {task: test.accuracy(method.reconstruct_fn(selection.merged, t), [task])[task] for t, task in enumerate(pool.tasks)}
+    if isinstance(method, PerTaskMerge):
+        accuracy = {task: test.accuracy(method.reconstruct(selection.merged, t), [task])[task] for t, task in enumerate(pool.tasks)}
     else:
         accuracy = test.accuracy(selection.merged or load_state_dict(output))
     mean = sum(accuracy.values()) / len(accuracy)

@@ -1,4 +1,8 @@
-"""`mima convert`: pickled checkpoints to safetensors, open_clip <-> transformers CLIP (mima.convert.command runs it)."""
+"""Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, without
+running code from the file; or convert between open_clip image encoders and Hugging Face transformers
+CLIP vision towers (--from hf-clip, --to hf-clip) by renaming tensors (no transformers needed).
+"""
+# `mima convert`: pickled checkpoints to safetensors, open_clip <-> transformers CLIP (mima.commands.convert.run runs it).
 
 from __future__ import annotations
 
@@ -6,16 +10,14 @@ import argparse
 from collections.abc import Sequence
 
 from mima.commands.common import OneLineParser, frozen_options
-from mima.convert.options import ConvertOptions
-from mima.convert.options import add_arguments as add_convert_arguments
+from mima.commands.convert.options import ConvertOptions
+from mima.commands.convert.options import add_arguments as add_convert_arguments
 
 
 def parse(argv: Sequence[str]) -> ConvertOptions:
     parser = OneLineParser(
         prog="mima convert",
-        description="Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, without\n"
-        "running code from the file; or convert between open_clip image encoders and Hugging Face transformers\n"
-        "CLIP vision towers (--from hf-clip, --to hf-clip) by renaming tensors (no transformers needed).",
+        description=__doc__,
         epilog="examples:\n  mima convert finetuned.pt finetuned.safetensors\n"
         "  mima convert --from hf-clip clip-vit-base-patch32/ --output base.safetensors\n"
         "  mima convert --from hf-clip clip-vit-base-patch32_svhn/ --projection-from clip-vit-base-patch32/ --output svhn.safetensors\n"
@@ -28,6 +30,6 @@ def parse(argv: Sequence[str]) -> ConvertOptions:
 
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
-    from mima.convert.command import main as run_convert
+    from mima.commands.convert.run import main as run_convert
 
     run_convert(options)

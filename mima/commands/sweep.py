@@ -3,7 +3,7 @@ run, the Table-1 style results (results.json / .csv / .md, selection.json) and t
 
 `mima demo` is this sweep on the embedded digits config; `benchmarks/offline_suite.py` runs it on
 any config file (the offline suite's, or a user's custom image-folder tasks); `mima evaluate`
-(mima.evaluate_runs) is its second half for runs that already exist (e.g. the SLURM sweep's, one
+(mima.commands.evaluate.runs) is its second half for runs that already exist (e.g. the SLURM sweep's, one
 per N and seed, which slurm/evaluate_sweep.sbatch evaluates).
 """
 
@@ -19,12 +19,13 @@ from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
 from mima.core.plan import check_budget
 from mima.core.run_folder import JOINT, SweepFolder
-from mima.evaluate_runs import data_free_per_model, evaluate_runs
+from mima.commands.evaluate.runs import data_free_per_model, evaluate_runs
 from mima.evaluation.results import ModelResult
 from mima.config.model import ModelSettings
-from mima.models.clip import EMBEDDED_PREFIX, default_cache_dir
+from mima.core.cache_dir import cache_dir_or_default
+from mima.models.clip import EMBEDDED_PREFIX
 from mima.models.embedded import ensure_embedded_model
-from mima.training.trainer import run_fit
+from mima.commands.fit.run import run_fit
 
 
 def run_sweep(
@@ -61,7 +62,7 @@ def run_sweep(
     run_dirs = []
     settings = [({"iterations": n}, sweep.run(n), f"N={n}") for n in iterations]
     if joint:
-        settings.append(({"mode": JOINT, "iterations": 1}, sweep.joint_run(), "joint"))
+        settings.append(({"mode": JOINT, "iterations": 1}, sweep.joint_run(), JOINT))
     for model_settings, run_folder, label in settings:
         run_started = time.time()
         run_config = copy.deepcopy(dict(config))
@@ -92,7 +93,7 @@ def prepare_embedded_model(model: ModelSettings, progress: bool) -> None:
     if not model.clip.startswith(EMBEDDED_PREFIX):
         return
     started = time.time()
-    cache = Path(model.cache_dir) if model.cache_dir else default_cache_dir()
+    cache = cache_dir_or_default(model.cache_dir)
     ensure_embedded_model(model.clip[len(EMBEDDED_PREFIX):], cache, progress=progress)
     print(f"{model.clip}: ready in {time.time() - started:.0f} s (pretrained once and cached; not part of the "
           "training times below)")

@@ -32,12 +32,12 @@ from mima.data.datamodule import resolve_run_tasks
 from mima.data.settings import benchmark_tasks
 from mima.data.image_folder import as_folder_task
 from mima.data.tasks import TaskSpec
+from mima.core.cache_dir import default_cache_dir
 from mima.models.clip import (
     EMBEDDED_PREFIX,
     LOCAL_DIR_PREFIX,
     RANDOM_WEIGHTS,
     check_pretrained_tag,
-    default_cache_dir,
     fetch_pretrained,
     offline,
     resolve_quick_gelu,

@@ -1,5 +1,5 @@
 """`mima convert`'s options. Imports nothing heavy, so that the help and argument errors answer before
-torch is loaded; mima.convert.command checks and runs them."""
+torch is loaded; mima.commands.convert.run checks and runs them."""
 
 from __future__ import annotations
 

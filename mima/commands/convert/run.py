@@ -10,7 +10,7 @@
       open_clip image encoders <-> transformers CLIP vision towers (mima.convert.hf_conversion
       reads and converts, mima.convert.hf_writer writes the transformers folder).
 
-This module checks the options (mima.convert.options declares them), refuses outputs that are
+This module checks the options (mima.commands.convert.options declares them), refuses outputs that are
 inputs or exist (unless --overwrite) before any reading, and writes the result.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mima.convert.hf_conversion import HF_CONFIG, HF_WEIGHTS, convert_from_hf_clip, convert_to_hf_clip, hf_checkpoint_files
 from mima.convert.hf_writer import write_hf_output
-from mima.convert.options import ConvertOptions
+from mima.commands.convert.options import ConvertOptions
 from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite

@@ -1,5 +1,6 @@
-"""`mima fit`: one MIMA run through LightningCLI (mima.training.trainer); its parser is LightningCLI's,
-so only a missing --config file is checked before Lightning is imported."""
+"""`mima fit`: one MIMA run through LightningCLI (the command line: mima.commands.fit.cli; the run:
+mima.commands.fit.run); its parser is LightningCLI's, so only a missing --config file is checked before
+Lightning is imported."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from mima.core.errors import MimaError
 
 def parse(argv: Sequence[str]):
     """The parsed `mima fit` options (LightningCLI's namespace; imports Lightning, reads --config files)."""
-    from mima.training.trainer import parse_fit
+    from mima.commands.fit.cli import parse_fit
 
     return parse_fit(list(argv))
 
@@ -21,10 +22,11 @@ def main(argv: Sequence[str]) -> int:
     saving a checkpoint (on the process that was started; the others exit 0 so that launchers do not
     tear the job down before it has saved)."""
     check_config_files(argv)  # before Lightning is imported: a typo answers at once
-    from mima.training.trainer import launch_rank, run_fit
+    from mima.core.environment import global_rank
+    from mima.commands.fit.run import run_fit
 
     result = run_fit(list(argv))
-    if result.preempted_by and launch_rank() == 0:
+    if result.preempted_by and global_rank() == 0:
         return 128 + result.preempted_by
     return 0
 

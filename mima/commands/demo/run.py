@@ -3,7 +3,7 @@
 1. Load (or pretrain once and cache) the embedded tiny CLIP; zero-shot heads for the four tasks.
 2. For each N in {1, 2, 4, 8} at a fixed budget S per task: `mima fit` with configs/demo.yaml
    (the one place the demo's recipe is written down, with the reasons for each value).
-3. Merge each run's task models with the four strategies in DEMO_MERGES (uniform, task arithmetic,
+3. Merge each run's task models with the four strategies in COMPARED_MERGES (uniform, task arithmetic,
    TIES, CART; `--merges` picks any other data-free strategies); hyperparameters are chosen on the
    validation split (carved from train), accuracy is reported on the test split.
 4. Train the joint multi-task baseline once (model.mode: joint: one encoder, every step on a batch
@@ -16,13 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES
+from mima.commands.common import COMPARED_MERGES
+from mima.commands.demo import DEMO_ITERATIONS
 from mima.core.errors import MimaError
 from mima.evaluation.results import ModelResult
-from mima.sweep import run_sweep
+from mima.commands.sweep import run_sweep
 from mima.config.run_config import load_run_config
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 
 
 def demo_config(steps: int | None = None, lr_schedule: str | None = None) -> dict:
@@ -45,10 +46,10 @@ def run_demo(
     select_on_val: bool = True,
     overwrite: bool = False,
     progress: bool = True,
-    merges: Sequence[str] = DEMO_MERGES,
+    merges: Sequence[str] = COMPARED_MERGES,
     joint: bool = True,
 ) -> list[ModelResult]:
-    """The demo sweep (`mima.sweep.run_sweep` on configs/demo.yaml)."""
+    """The demo sweep (`mima.commands.sweep.run_sweep` on configs/demo.yaml)."""
     config = demo_config(steps, lr_schedule)
     results = run_sweep(
         config,

@@ -1,4 +1,9 @@
-"""`mima prefetch`: fetch what a config needs from the network ahead of an offline run (mima.prefetch)."""
+"""Fetch what a `mima fit` config needs from the network: the open_clip weights of model.clip +
+model.pretrained (into open_clip's cache under $HF_HOME) and the tasks torchvision can download
+(into data.root). Run it where there is internet (the login node); the compute nodes then run
+offline (HF_HUB_OFFLINE=1).
+"""
+# `mima prefetch`: fetch what a config needs from the network ahead of an offline run (mima.commands.prefetch.fetch).
 
 from __future__ import annotations
 
@@ -17,13 +22,7 @@ class PrefetchOptions:
 
 
 def parse(argv: Sequence[str]) -> PrefetchOptions:
-    parser = OneLineParser(
-        prog="mima prefetch",
-        description="Fetch what a `mima fit` config needs from the network: the open_clip weights of "
-        "model.clip + model.pretrained (into open_clip's cache under $HF_HOME) and the tasks torchvision can "
-        "download (into data.root). Run it where there is internet (the login node); the compute nodes then "
-        "run offline (HF_HUB_OFFLINE=1).",
-    )
+    parser = OneLineParser(prog="mima prefetch", description=__doc__)
     add_config_arguments(parser)
     parser.add_argument("--weights-dir", type=Path, default=None,
                         help="also copy the weights to DIR/<architecture>-<tag>.<ext> with a record of their activation "
@@ -34,6 +33,6 @@ def parse(argv: Sequence[str]) -> PrefetchOptions:
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
     config = config_with_root(options)
-    from mima.prefetch import prefetch
+    from mima.commands.prefetch.fetch import prefetch
 
     prefetch(config, say=lambda line: print(f"mima prefetch: {line}", flush=True), weights_dir=options.weights_dir)

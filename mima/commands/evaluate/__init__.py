@@ -1,4 +1,11 @@
-"""`mima evaluate`: merge and evaluate finished runs, the Table-1 results (mima.evaluate_runs runs it)."""
+"""Evaluate finished `mima fit` runs of the same tasks (typically one per N, or one per N and seed):
+theta_0, each task model, and each merge with hyperparameters chosen on the validation splits;
+writes results.json/.csv/.md, selection.json and plots. Runs at one N that differ only in the seed
+also get rows with the mean and standard deviation over the seeds. Every result is recorded in
+--out/cells/ as soon as it is known: after a stop (SIGTERM, SIGUSR1, a crash) the same command goes
+on where it stopped.
+"""
+# `mima evaluate`: merge and evaluate finished runs, the Table-1 results (mima.commands.evaluate.runs runs it).
 
 from __future__ import annotations
 
@@ -6,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.command_options import DEMO_MERGES, device_spelling
+from mima.commands.common import COMPARED_MERGES, device_spelling
 from mima.commands.common import OneLineParser, frozen_options, no_empty_folder_left
+from mima.core.errors import MimaError
 
 
 @dataclass(frozen=True)
@@ -24,21 +32,24 @@ class EvaluateOptions:
     merge_device: str | None  # None: auto
     num_workers: int | None  # None: the run's data.num_workers
 
+    def __post_init__(self) -> None:
+        """The checks argparse cannot make, each made here once (what needs torch, e.g. whether this
+        machine has --devices GPUs, mima.commands.evaluate.team checks)."""
+        if self.devices is not None and self.devices < 1:
+            raise MimaError(f"--devices {self.devices}: expected at least 1")
+        if self.val_examples is not None and self.val_examples <= 0:
+            raise MimaError(f"--val-examples {self.val_examples}: expected a positive number of examples per task")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise MimaError(f"--num-workers {self.num_workers}: expected 0 or more loader worker processes")
+
 
 def parse(argv: Sequence[str]) -> EvaluateOptions:
-    parser = OneLineParser(
-        prog="mima evaluate",
-        description="Evaluate finished `mima fit` runs of the same tasks (typically one per N, or one per N and seed): "
-        "theta_0, each task model, and each merge with hyperparameters chosen on the validation splits; writes "
-        "results.json/.csv/.md, selection.json and plots. Runs at one N that differ only in the seed also get rows "
-        "with the mean and standard deviation over the seeds. Every result is recorded in --out/cells/ as soon as it "
-        "is known: after a stop (SIGTERM, SIGUSR1, a crash) the same command goes on where it stopped.",
-    )
+    parser = OneLineParser(prog="mima evaluate", description=__doc__)
     parser.add_argument("runs", type=Path, nargs="+",
                         help="`mima fit` run folders (one per N and seed; at most one joint run, model.mode: joint, adds a "
                         "`joint` row)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results table, plots and cells")
-    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES), help="data-free merge strategies to compare")
+    parser.add_argument("--merges", nargs="+", default=list(COMPARED_MERGES), help="data-free merge strategies to compare")
     parser.add_argument("--no-select", action="store_true", help="the papers' fixed hyperparameters, no validation search")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an evaluation of other runs or another configuration already in --out")
@@ -59,17 +70,17 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
     parser.add_argument("--num-workers", type=int, default=None, metavar="N",
                         help="loader worker processes per evaluation process, one set for every task and split "
                         "(default: the run's data.num_workers; 0 loads in the process itself)")
-    options = parser.parse_args(argv)
-    if options.val_examples is not None and options.val_examples <= 0:
-        parser.error(f"--val-examples {options.val_examples}: expected a positive number of examples per task")
-    if options.num_workers is not None and options.num_workers < 0:
-        parser.error(f"--num-workers {options.num_workers}: expected 0 or more loader worker processes")
-    return frozen_options(EvaluateOptions, options)
+    parsed = parser.parse_args(argv)
+    try:
+        return frozen_options(EvaluateOptions, parsed)
+    except MimaError as mistake:
+        parser.error(str(mistake))
 
 
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
-    from mima.evaluate_runs import evaluate_runs, team_for
+    from mima.commands.evaluate.runs import evaluate_runs
+    from mima.commands.evaluate.team import team_for
 
     team = team_for(options.devices, argv)
     with no_empty_folder_left(options.out):

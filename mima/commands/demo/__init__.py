@@ -1,4 +1,6 @@
-"""`mima demo`: MIMA on the embedded digits tasks end to end (mima.demo runs it)."""
+"""MIMA on the embedded digits tasks (configs/demo.yaml), end to end.
+"""
+# `mima demo`: MIMA on the embedded digits tasks end to end (mima.commands.demo.run runs it).
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.command_options import DEMO_ITERATIONS, DEMO_MERGES
-from mima.commands.common import OneLineParser, frozen_options
+from mima.commands.common import COMPARED_MERGES, OneLineParser, frozen_options
+
+DEMO_ITERATIONS = (1, 2, 4, 8)  # the values of N the demo trains
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class DemoOptions:
 
 
 def parse(argv: Sequence[str]) -> DemoOptions:
-    parser = OneLineParser(prog="mima demo", description="MIMA on the embedded digits tasks (configs/demo.yaml), end to end.")
+    parser = OneLineParser(prog="mima demo", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
     parser.add_argument("--iterations", type=int, nargs="+", default=list(DEMO_ITERATIONS), help="values of N")
     parser.add_argument("--steps", type=int, help="S, steps per task (each N must divide it; default: configs/demo.yaml's 320); "
@@ -33,8 +36,8 @@ def parse(argv: Sequence[str]) -> DemoOptions:
     parser.add_argument(
         "--no-select", action="store_true", help="use the papers' fixed merge hyperparameters instead of validation"
     )
-    parser.add_argument("--merges", nargs="+", default=list(DEMO_MERGES),
-                        help=f"data-free merge strategies to compare (default: {' '.join(DEMO_MERGES)})")
+    parser.add_argument("--merges", nargs="+", default=list(COMPARED_MERGES),
+                        help=f"data-free merge strategies to compare (default: {' '.join(COMPARED_MERGES)})")
     parser.add_argument("--no-joint", action="store_true",
                         help="skip the joint multi-task baseline (one model trained on all tasks, same S)")
     parser.add_argument("--overwrite", action="store_true", help="replace results and runs already in --out (without it, runs already there resume, finished ones are kept)")
@@ -45,7 +48,7 @@ def parse(argv: Sequence[str]) -> DemoOptions:
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
     from mima.core.plan import check_budget
-    from mima.demo import demo_config, run_demo
+    from mima.commands.demo.run import demo_config, run_demo
 
     steps = options.steps if options.steps is not None else int(demo_config()["model"]["steps"])
     for n in options.iterations:

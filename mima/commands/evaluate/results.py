@@ -1,0 +1,103 @@
+"""The results of an evaluation, built from its recorded cells once every process is done:
+ModelResult rows (zero_shot, fine_tuned, [joint], one per merge at its chosen point; per run),
+written as results.json/.csv/.md and selection.json with the plots, all at once (a failure leaves
+the earlier set), so that they equal those of an uninterrupted evaluation.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from mima.commands.evaluate.evaluation import GEOMETRY, NO_POINT, Evaluation
+from mima.commands.evaluate.grid_search import full_point, recorded_best
+from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
+from mima.core.run_folder import JOINT, SweepFolder
+from mima.evaluation.accuracy import accuracy_of
+from mima.evaluation.cells import Cell, CellStore, point_key
+from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
+from mima.evaluation.results import ModelResult, training_setup
+from mima.evaluation.results_files import write_results
+from mima.evaluation.tables import markdown_text
+
+Pairwise = dict[int, list[float]]  # each N's task-vector cosines, over its runs
+
+
+def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelResult], Pairwise]:
+    """The results rows (zero_shot, fine_tuned, [joint], one per merge; per run) from the cells."""
+    tasks = evaluation.tasks
+
+    def accuracies(run_id: str, model: str, point: str) -> dict[str, float]:
+        return {task: accuracy_of(*store.get(Cell(run_id, model, point, "test", task))) for task in tasks}
+
+    several_seeds = len({(int(c.model.iterations), c.seed) for c in evaluation.configs}) > \
+        len({int(c.model.iterations) for c in evaluation.configs})
+    zero_shot = accuracies(evaluation.run_id(evaluation.runs[0]), "zero_shot", NO_POINT)
+    joint = accuracies(evaluation.run_id(evaluation.joint), JOINT, NO_POINT) if evaluation.joint else None
+    results, pairwise = [], {}
+    for run, config in zip(evaluation.runs, evaluation.configs):
+        run_id, n, seed = evaluation.run_id(run), int(config.model.iterations), config.seed
+        geometry = store.get(Cell(run_id, GEOMETRY, NO_POINT, "-", "-"))
+        own = [ModelResult(n, "zero_shot", dict(zero_shot), seed=seed),
+               ModelResult(n, "fine_tuned", accuracies(run_id, "fine_tuned", NO_POINT), mean_cos_tau=geometry["mean"], seed=seed)]
+        if joint is not None:  # one model for every run, like zero_shot; placed after fine_tuned
+            own.append(ModelResult(n, JOINT, dict(joint), seed=seed))
+        for method in evaluation.methods:
+            grid = evaluation.grid(method)
+            if not grid:
+                hparams = full_point(method, {}, None)
+                own.append(ModelResult(n, method.name, accuracies(run_id, method.name, point_key(hparams)),
+                                       hparams=hparams, seed=seed))
+                continue
+            best = recorded_best(store, run_id, method, grid, tasks)
+            own.append(ModelResult(n, method.name, accuracies(run_id, method.name, point_key(best.point)),
+                                   hparams=best.point, validation_accuracy=best.score, seed=seed))
+        label = f"N={n}, seed {seed}" if several_seeds else f"N={n}"
+        summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in own if r.model != "zero_shot")
+        print(f"{label}: cos(tau) {geometry['mean']:.3f}; {summary}")
+        results += own
+        pairwise.setdefault(n, []).extend(geometry["pairs"])
+    return results, pairwise
+
+
+def selection_extra(evaluation: Evaluation, extra: dict | None) -> dict:
+    """What selection.json records beside the chosen points: how the table was made (the time taken
+    is added when the results are written)."""
+    config = evaluation.configs[0]
+    info = {
+        "heads": config.model.heads,
+        "select_on": "val" if evaluation.select_on_val else "defaults",
+        "runs": [str(r.path) for r in evaluation.runs],
+        # the schedule (lr_schedule, schedule_scope, warm-up), precision and clipping that produced the table
+        "training": training_setup((c.model, c.other.get("trainer") or {}) for c in evaluation.configs),
+        "precision": evaluation.precision,
+    }
+    if evaluation.val_examples is not None:
+        info["val_examples"] = evaluation.val_examples
+    info.update(steps=config.model.steps, **(extra or {}))
+    return info
+
+
+def publish_results(evaluation: Evaluation, results: list[ModelResult], pairwise: Pairwise, out_dir: Path,
+                    info: dict, title: str) -> None:
+    """Write the results files and plots into `out_dir`: the whole set aside first, moved into place
+    at the end, so that a failure leaves the earlier set."""
+    staging, created = stage_folder(out_dir)
+    try:
+        staged = SweepFolder(staging)
+        write_results(staged, results, extra=info, title=title)
+        plot_accuracy_vs_n(results, staged.plot_file(SweepFolder.ACCURACY_PLOT))
+        phases: dict[int, list[dict]] = {}
+        for run, run_config in zip(evaluation.runs, evaluation.configs):
+            phases.setdefault(int(run_config.model.iterations), run.phase_records())  # the first run of each N
+        plot_cosine_vs_n(pairwise, phases, staged.plot_file(SweepFolder.COSINE_PLOT))
+        publish_folder(staging, out_dir, overwrite=True)
+    except BaseException as exc:
+        remove_folders(created)
+        if isinstance(exc, Exception):  # a refused write names the output folder, not the staging one
+            raise write_error(exc, out_dir, staging) from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print()
+    print(markdown_text(results, title=title))

@@ -1,0 +1,134 @@
+"""`mima evaluate`: the Table-1 results of finished runs, as cells that survive any stop.
+
+What is evaluated, per run (one per N, or one per N and seed; at most one joint run beside them):
+theta_0 with the frozen heads (once: the same for every run of one model), each task model on its
+own task, the task vectors' pairwise cosines, and every merge in `merges`, its hyperparameters
+chosen on the validation splits (the first best grid point, as mima.merging.selection) and its
+test accuracy at that point.
+
+How it survives a preemptible cluster:
+  * Every result is a cell (mima.evaluation.cells) recorded the moment it is known; running the
+    same command again skips the finished cells and says how many. The results files are built
+    from the cells at the end, so they equal those of an uninterrupted evaluation.
+  * SIGTERM or SIGUSR1 stops after the running batch; SIGUSR1 (SLURM's warning before the time
+    limit) also requeues the job, as `mima fit` does.
+  * `--devices N` deals the work over N processes, one device each (started here, or one per task
+    under `srun`); each records its own cells, process 0 writes the results once all are done.
+    Counts are integers, so the results equal one process's exactly. Each process makes its GPU
+    (from its local rank, mima.evaluation.device) the current device before any CUDA call.
+  * Each process has at most `--num-workers` loader workers alive, whatever the number of tasks and
+    splits: one set serves every pass (mima.evaluation.loader_pool).
+
+The parts, one job each: what is evaluated and its checks (evaluation), the processes and their
+stop (team), which process evaluates which cells (dealing), one process's cells (worker), each
+merge's best grid point (grid_search), the results built and written from the cells (results).
+This module composes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mima.commands.evaluate.dealing import deal, plan_units
+from mima.commands.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
+from mima.commands.evaluate.results import build_results, publish_results, selection_extra
+from mima.commands.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, wait_for_session
+from mima.commands.evaluate.worker import Worker
+from mima.core.run_folder import SweepFolder
+from mima.core.run_lock import RunLock
+from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
+from mima.evaluation.cells import CellStore
+from mima.evaluation.device import claim_device
+from mima.evaluation.results import ModelResult
+from mima.merging.engine import merge_device as resolve_merge_device
+
+
+def evaluate_runs(
+    run_dirs: Sequence[Path],
+    out_dir: Path,
+    merges: Sequence[str],
+    select_on_val: bool = True,
+    overwrite: bool = False,
+    title: str = "mima evaluate",
+    extra: dict | None = None,
+    started: float | None = None,
+    precision: str | None = None,
+    val_examples: int | None = None,
+    team: Team | None = None,
+    skip_unfinished: bool = False,
+    num_workers: int | None = None,
+    merge_device: str | None = None,
+) -> list[ModelResult] | None:
+    """Evaluate finished runs of the same tasks and model into `out_dir` (results.json/.csv/.md,
+    selection.json, plots; the cells in cells/). Returns the results in process 0, None elsewhere.
+
+    Runs at the same N must differ only in the seed (seed_everything, and data.seed, which the
+    SLURM seed sweep sets to the same value); the table then adds the mean and sample standard
+    deviation over the seeds (format: mima.evaluation.results_files). `val_examples` (positive, as
+    EvaluateOptions checks it): validation examples per task. `num_workers` loader workers per
+    process (None: the first run's data.num_workers). `merge_device` (`--merge-device`): where the
+    merges' arithmetic runs (None or "auto": each process's evaluation device)."""
+    started = started or time.time()
+    team = team or Team(session=new_session())
+    device = claim_device(team.local_rank)  # first: nothing below may open a CUDA context on another GPU
+    merges_on = device if merge_device in (None, "auto") else resolve_merge_device(merge_device, "--merge-device")
+    methods = data_free_per_model(merges)
+    evaluation = describe_evaluation(run_dirs, methods, select_on_val, val_examples,
+                                     precision or default_precision(device), skip_unfinished)
+    workers = int(evaluation.configs[0].data.num_workers) if num_workers is None else num_workers
+    # an unknown precision or a negative number of workers is one line here, before anything is written
+    settings = EvalSettings(precision=evaluation.precision, num_workers=workers, pin_memory=device.type == "cuda")
+    # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
+    with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
+        return _evaluate(evaluation, Path(out_dir), overwrite, title, extra, started, team, device, settings, merges_on)
+
+
+def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str, extra: dict | None, started: float,
+              team: Team, device: torch.device, settings: EvalSettings,
+              merge_device: torch.device) -> list[ModelResult] | None:
+    store = CellStore(out_dir, team.session, team.rank)
+    if team.rank == 0:
+        if store.read_manifest() is None and not overwrite:
+            SweepFolder(out_dir).prepare(False)  # results of an evaluation without cells: refused as before
+        store.prepare({**evaluation.manifest(), "session": team.session}, overwrite)
+        team.start_children()
+    else:
+        wait_for_session(store, team.session)
+    done = store.load()
+    mine = deal(plan_units(evaluation), team.world)[team.rank]
+    if team.rank == 0:
+        print(f"{title}: {len(evaluation.tasks)} tasks ({', '.join(evaluation.tasks)}); merges: "
+              f"{', '.join(method.name for method in evaluation.methods)}; {evaluation.precision}, {team.world} process(es)")
+        if done:
+            print(f"{title}: {done} cells already done in {store.cells_dir}; evaluating the rest")
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True  # evaluation tolerates TF32's 10-bit mantissa matmuls
+        torch.backends.cudnn.allow_tf32 = True
+    with StopRequests(team) as stop:
+        try:
+            worker = Worker(evaluation, store, stop.requested, settings, device, merge_device)
+            try:
+                for unit in mine:
+                    if stop.requested():
+                        raise EvaluationStopped()
+                    worker.run(unit)
+            finally:
+                worker.close()  # its loader workers end before this process waits for the others
+            finish_rank(store, team, stop)
+        except EvaluationStopped:
+            stopped(store, team, stop.signal, title)
+    if team.rank != 0:
+        return None
+    store.load()
+    results, pairwise = build_results(evaluation, store)
+    info = selection_extra(evaluation, extra)
+    seconds = round(time.time() - started, 1)
+    info["seconds_total"] = seconds
+    publish_results(evaluation, results, pairwise, out_dir, info, title)
+    print(f"Wrote {out_dir}/results.{{json,csv,md}}, selection.json and plots in {seconds:.0f} s.")
+    return results

@@ -1,0 +1,85 @@
+"""`mima fit`, run: the run folder prepared, the Trainer fitted, a stop reported (and a SLURM job
+requeued after the warning before its time limit); the options are parsed by mima.commands.fit.cli."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from mima.commands.fit.cli import MimaCLI, build_cli
+from mima.core.environment import global_rank, requeue_slurm_job
+from mima.core.run_folder import RunFolder
+from mima.training.determinism import deterministic_refusal
+from mima.training.resume import log_resume
+from mima.training.trainer import run_finished
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    preempted_by: int | None = None  # what stopped the run early (state saved): a signal, 0 for RUN/STOP
+
+
+def run_fit(args: list[str] | dict | None = None) -> FitResult:
+    """Run `mima fit`; returns the run folder and whether a signal stopped it early."""
+    cli = build_cli(args)
+    try:
+        return _run_fit(cli)
+    finally:
+        cli.release_lock()
+
+
+def _run_fit(cli: MimaCLI) -> FitResult:
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    run_dir: Path = cli.run_dir
+    run = RunFolder(run_dir)
+    resuming = cli.config.get("ckpt_path") is not None
+    # Every process computes the same cut from the same files: nothing writes before training starts.
+    launch = cli.launch or cli.prepare_launch(trainer.num_nodes * trainer.num_devices)
+    resume_states, notes = launch.resume_states, launch.notes
+    cli.run_start.settle(launch.identity, resume_states)  # for the strategy and the checkpoints, before fit
+    if resuming and resume_states is None and run_finished(run, data.task_names, module.hparams.mode):
+        if global_rank() == 0:
+            print(f"mima fit: {run_dir} has finished (final/ holds every task model); nothing to resume")
+            if run.checkpoints_dir.exists() and not cli.config.get("keep_checkpoints"):
+                # left by a finished run whose clean-up was cut short: nothing can resume from it now
+                shutil.rmtree(run.checkpoints_dir, ignore_errors=True)
+                print(f"mima fit: removed the leftover {run.checkpoints_dir}")
+        return FitResult(run_dir, None)
+    if trainer.is_global_zero and global_rank() == 0:
+        # only now, with every input checked, may an earlier run that --overwrite replaces be removed
+        aside = run.prepare(resuming=resuming, overwrite=bool(cli.config.get("overwrite")))
+        if aside:
+            print(f"mima fit: --overwrite: the earlier run waits in {aside} until this one has saved its first checkpoint")
+        run.stop_file.unlink(missing_ok=True)  # a stop asked of an earlier attempt is not one of this
+        log_resume(notes)
+        if resuming:
+            steps = sorted({int(p.name.split("step-")[1][:8]) for p in (resume_states or {}).values()})
+            print(f"mima fit: resuming from process steps {', '.join(map(str, steps))} ({run.checkpoints_dir})"
+                  if resume_states else "mima fit: no checkpoint yet, starting fresh")
+        if launch.config_changes is not None and launch.config_changes.harmless:
+            run.append_config_changes(launch.config_changes.record())
+            print(f"mima fit: config changes that cannot change the weights, recorded in {run.config_changes_file.name}: "
+                  + ", ".join(launch.config_changes.harmless))
+        run.write_config(cli.parser.dump(cli.config, skip_none=False))
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
+    except RuntimeError as exc:
+        refusal = deterministic_refusal(exc)  # trainer.deterministic and an op without such a kernel
+        if refusal is None:
+            raise
+        raise refusal from None
+    stopped_by = cli.checkpoint.stopped_by if cli.checkpoint is not None else None
+    if stopped_by is not None and trainer.is_global_zero:
+        cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"
+        # flushed: `scontrol requeue` below ends this job step, and a block-buffered log (SLURM's output
+        # file) would lose what is still in the buffer
+        print(f"mima fit: stopped by {cause} at process step {trainer.global_step}; state saved, resume with --ckpt_path last",
+              flush=True)
+        if stopped_by == signal.SIGUSR1:
+            # SLURM's warning before the time limit: come back and go on. Not SIGTERM: that is scancel
+            # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
+            requeue_slurm_job("mima fit")
+    return FitResult(run_dir, stopped_by)
