@@ -56,6 +56,16 @@ def matrices_merged(models: Sequence[TensorMap], base: TensorMap, matrix_keys: s
             yield key, anchor, torch.stack(taus).mean(dim=0)
 
 
+def per_matrix(merge_matrix: Callable[[list[torch.Tensor]], torch.Tensor]):
+    """The scaled_fn of a merge whose only hyperparameter besides lam is `matrix_keys`: `merge_matrix`
+    on each selected matrix, the mean elsewhere (matrices_merged)."""
+
+    def scaled(models: Sequence[TensorMap], base: TensorMap, matrix_keys: str):
+        return matrices_merged(models, base, matrix_keys, merge_matrix)
+
+    return scaled
+
+
 def indexed_task_vectors(models: Sequence[TensorMap], base: TensorMap, index: dict[str, torch.Tensor]):
     """(key, the stacked task vectors [T, ...]) per float key of `base`, with every key's theta_0
     stored in `index` under base/KEY first: what each per-task index (TALL masks, EMR) begins with."""

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import svd
-from mima.merging.catalogue import EVERY_MATRIX
-from mima.merging.common import matrices_merged
+from mima.merging.common import per_matrix
 from mima.merging.registry import ScaledMerge, register
 
 
@@ -37,17 +36,12 @@ def iso_c_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
     return (decomposition.u * flat) @ decomposition.vh
 
 
-def iso_c(models, base, matrix_keys: str = EVERY_MATRIX):
-    """(key, theta_0, Iso-C merged task vector or None) per key."""
-    return matrices_merged(models, base, matrix_keys, iso_c_matrix)
-
-
 register(
     ScaledMerge(
         name="iso_c",
         paper="https://arxiv.org/abs/2502.04959",
         summary="per matrix: the sum of task vectors with its singular values flattened to their mean",
         needs_base=True,
-        scaled_fn=iso_c,
+        scaled_fn=per_matrix(iso_c_matrix),
     )
 )

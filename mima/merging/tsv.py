@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from mima.core.linalg import polar_factor, svd
-from mima.merging.catalogue import DEFAULT_TSV_MATRIX_KEYS
-from mima.merging.common import matrices_merged
+from mima.merging.common import per_matrix
 from mima.merging.registry import ScaledMerge, register
 
 
@@ -37,16 +36,12 @@ def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
     return polar_factor(u_blocks) @ torch.diag(s_blocks) @ polar_factor(v_blocks)
 
 
-def tsv(models, base, matrix_keys: str = DEFAULT_TSV_MATRIX_KEYS):
-    return matrices_merged(models, base, matrix_keys, tsv_matrix)
-
-
 register(
     ScaledMerge(
         name="tsv",
         paper="https://arxiv.org/abs/2412.00081",
         summary="per-layer task singular vectors, orthogonalised across tasks",
         needs_base=True,
-        scaled_fn=tsv,
+        scaled_fn=per_matrix(tsv_matrix),
     )
 )
