@@ -31,6 +31,30 @@ def test_pretraining_is_deterministic_from_the_seed():
 
 
 @pytest.mark.slow
+def test_pretraining_gives_the_same_bytes_on_1_2_and_4_threads():
+    """The thread count moves the weights (reductions split across threads round differently), so the
+    embedded model is pretrained on a fixed count whatever the caller's: the README's demo table is
+    what every machine prints."""
+    recipe = copy.deepcopy(embedded.TINY_DIGITS_RECIPE)
+    recipe["steps"] = 10
+    previous = torch.get_num_threads()
+    try:
+        built = {}
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            built[threads] = embedded.build_embedded(recipe, embedded.pretrain_tiny_digits)[0].state_dict()
+            assert torch.get_num_threads() == threads  # the caller's count is back
+        torch.set_num_threads(1)
+        one_thread = embedded.pretrain_tiny_digits(recipe, progress=False)[0].state_dict()  # not fixed
+    finally:
+        torch.set_num_threads(previous)
+    assert embedded.CACHE_BUILD_THREADS == 2
+    assert not all(torch.equal(one_thread[key], built[2][key]) for key in one_thread)  # what the fixed count is for
+    for threads in (1, 4):
+        assert all(torch.equal(built[threads][key], built[2][key]) for key in built[2]), threads
+
+
+@pytest.mark.slow
 def test_embedded_model_is_cached_loads_through_open_clip_and_beats_chance(private_cache):
     clip = load_clip("embedded:tiny-digits")
     folders = list((private_cache / "embedded").glob("tiny-digits-*"))

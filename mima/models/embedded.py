@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from mima.data import digits
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import save_state_dict
+from mima.models.fixed_threads import CACHE_BUILD_THREADS, fixed_threads
 
 RECIPE_VERSION = 2  # 2: the digits training split follows task_vectors' validation carve (the tail)
 TINY_DIGITS_RECIPE: dict = {
@@ -53,6 +54,7 @@ TINY_DIGITS_RECIPE: dict = {
     "seed": 0,
     "augment_degrees": 45.0,
     "augment_shift": 0.1,
+    "threads": CACHE_BUILD_THREADS,  # torch threads it is pretrained on (mima.models.fixed_threads)
 }
 
 
@@ -102,13 +104,20 @@ def ensure_embedded_model(name: str, cache_dir: Path, progress: bool = True) -> 
     return folder
 
 
+def build_embedded(recipe: dict, build, progress: bool = False) -> tuple[torch.nn.Module, dict]:
+    """`build(recipe, progress)` on the recipe's fixed number of torch threads, whatever the caller's:
+    the same weights on every machine (mima.models.fixed_threads)."""
+    with fixed_threads(recipe.get("threads", CACHE_BUILD_THREADS)):
+        return build(recipe, progress)
+
+
 def _build_into(folder: Path, recipe: dict, build, progress: bool) -> None:
     """Build the model in a staging folder beside `folder` and rename it into place (atomic)."""
     staging = folder.parent / f".{folder.name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        model, report = build(recipe, progress)
+        model, report = build_embedded(recipe, build, progress)
         config = {"model_cfg": recipe["model_cfg"], "preprocess_cfg": recipe.get("preprocess_cfg", {})}
         (staging / "open_clip_config.json").write_text(json.dumps(config, indent=2))
         save_state_dict(staging / "open_clip_model.safetensors", model.state_dict())

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from mima.config.model import HeadKind
+from mima.models.fixed_threads import fixed_threads
 from mima.models.clip import LoadedClip, text_tower_fingerprint
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.core.subsets import fixed_order, fixed_subset
@@ -67,7 +68,8 @@ def cached_zero_shot_head(
     path = Path(cache_dir) / "heads" / f"{task_name}-{key}.safetensors"
     if path.is_file():
         return load_state_dict(path)["head"]
-    head = zero_shot_head(model, tokenizer, classnames, templates)
+    with fixed_threads():  # cached for every later run: the same bytes whatever built it
+        head = zero_shot_head(model, tokenizer, classnames, templates)
     save_state_dict(path, {"head": head}, metadata={"task": task_name, "classnames": list(classnames)})
     return head
 
@@ -165,7 +167,8 @@ def task_heads(
             fixed_subset(train, PROBE_EXAMPLES, PROBE_SEED) if probe_shots is None
             else few_shot_subset(train, probe_shots, spec.num_classes)
         )
-        features, labels = encoder_features(loaded.encoder, probe_data)
-        heads[spec.name] = fit_linear_probe(features, labels, spec.num_classes)
+        with fixed_threads():  # cached for every later run: the same bytes whatever built it
+            features, labels = encoder_features(loaded.encoder, probe_data)
+            heads[spec.name] = fit_linear_probe(features, labels, spec.num_classes)
         save_state_dict(path, {"head": heads[spec.name]}, metadata={"task": spec.name, "kind": "linear_probe"})
     return heads
