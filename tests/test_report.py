@@ -83,10 +83,16 @@ def test_report_tables_of_a_results_file_written_by_hand(tmp_path):
     assert "<td>task_arithmetic</td><td>86.1</td><td>92.5</td><td>6.9</td>" in "".join(page.split())
 
 
-def test_run_report_lists_the_phases(sweep, tmp_path):
+def test_run_report_lists_the_phases(sweep, tmp_path, capsys):
     run = sweep / "runs" / "N2"
+    capsys.readouterr()
     assert main(["report", str(run), "--out", str(tmp_path / "page")]) == 0
+    said = capsys.readouterr().out
+    # it names where the page is, never the staging folder the cosine analysis is computed in first
+    assert said.strip().splitlines() == [line for line in said.strip().splitlines() if ".tmp" not in line]
+    assert f"wrote {tmp_path / 'page' / 'report.md'}" in said
     markdown = (tmp_path / "page" / "report.md").read_text()
+    assert "(weights of the folder)" in markdown and "pretrained: openai" not in markdown  # a local-dir: model
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for record in records:
         assert f"| {record['phase']} | {record['step']} | {record['mean_cos_tau']:.3f} | {record['mean_cos_delta']:.3f} |" in markdown
@@ -190,3 +196,15 @@ def test_report_refuses_an_output_folder_another_job_holds(sweep, tmp_path):
     assert code == 2
     assert not (tmp_path / "page" / "report.md").exists()
     assert [p.name for p in tmp_path.rglob(".*")] == []  # no temporary folder or file left
+
+
+@pytest.mark.parametrize("clip, pretrained, shown", [
+    ("ViT-B-32", "openai", "pretrained: openai"),
+    ("ViT-B-32", "none", "random weights"),
+    ("embedded:tiny-digits", "openai", "pretrained by mima on first use"),  # the tag does not apply
+    ("local-dir:/models/mine", "laion2b_s34b_b79k", "weights of the folder"),
+])
+def test_the_page_says_where_theta_0_came_from(clip, pretrained, shown):
+    from mima.commands.report.page import _weights
+
+    assert _weights(clip, pretrained) == shown

@@ -87,13 +87,20 @@ class LoadedClip:
         return int(size[0] if isinstance(size, (tuple, list)) else size)
 
 
+def effective_pretrained(name: str, pretrained: str | None) -> str | None:
+    """model.pretrained as it applies to model.clip `name`: None where the source carries its own
+    weights (embedded and local-folder models: the tag is ignored) or where random weights are asked for."""
+    if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or (pretrained or "").lower() in RANDOM_WEIGHTS:
+        return None
+    return pretrained
+
+
 def load_clip(name: str, pretrained: str | None = None, cache_dir: str | Path | None = None,
               quick_gelu: QuickGelu = "auto") -> LoadedClip:
     """Load an open_clip CLIP (see the module docstring for accepted sources); `quick_gelu` is the
     run's `model.quick_gelu` (resolve_quick_gelu)."""
     cache = cache_dir_or_default(cache_dir)
-    if name.startswith((EMBEDDED_PREFIX, LOCAL_DIR_PREFIX)) or (pretrained or "").lower() in RANDOM_WEIGHTS:
-        pretrained = None  # these sources carry their own weights; "none" asks for random ones
+    pretrained = effective_pretrained(name, pretrained)
     activation = resolve_quick_gelu(name, pretrained, quick_gelu)
     if name.startswith(EMBEDDED_PREFIX):
         from mima.models.embedded import ensure_embedded_model

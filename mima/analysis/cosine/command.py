@@ -7,7 +7,7 @@ cosine_vs_N.png, by default into RUN/analysis/cosine (or the sweep folder's anal
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mima.analysis.common import output_folder, write_json
@@ -59,8 +59,10 @@ def output_files(runs: Sequence[RunCosines]) -> list[str]:
     return files + (["cosine_vs_N.png"] if len(runs) > 1 else [])
 
 
-def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = False) -> dict:
-    """Read the runs, write the plots and cosine.json; return what was written to the JSON."""
+def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = False,
+            say: Callable[[str], None] = print) -> dict:
+    """Read the runs, write the plots and cosine.json; return what was written to the JSON. `say` hears
+    the summary lines (`mima report`, which computes it into a staging folder, keeps them to itself)."""
     from mima.analysis.cosine.plot import plot_final_vs_n, plot_heatmaps, plot_phase_boxes
 
     started = time.time()
@@ -78,8 +80,8 @@ def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = Fa
     for entry in result["runs"]:
         taus = " ".join(f"{p['mean_cos_tau']:.3f}" for p in entry["phases"])
         deltas = " ".join(f"{p['mean_cos_delta']:.3f}" for p in entry["phases"])
-        print(f"N={entry['N']}: mean cos(tau) per phase {taus}\n      mean cos(delta) per phase {deltas}")
-    print(f"Wrote {folder} in {result['seconds']:.1f} s")
+        say(f"N={entry['N']}: mean cos(tau) per phase {taus}\n      mean cos(delta) per phase {deltas}")
+    say(f"Wrote {folder} in {result['seconds']:.1f} s")
     result["folder"] = str(folder)
     return result
 

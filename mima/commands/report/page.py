@@ -197,7 +197,8 @@ def cosine_section(page: Page, folder: Path, runs: list[Path], out: Path, stagin
         shown = source
     else:
         source = RunFolder(staging).analysis_dir("cosine")
-        analyse([folder] if folder in runs or SweepFolder(folder).runs_dir.is_dir() else runs, out=source)
+        analyse([folder] if folder in runs or SweepFolder(folder).runs_dir.is_dir() else runs, out=source,
+                say=lambda line: None)  # it is written to a staging folder: the report says where it lands
 
     def image(name: str, caption: str) -> None:
         page.image(shown / name, caption, data=source / name)
@@ -247,12 +248,24 @@ def checkpoints_section(page: Page, runs: list[Path], at: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ the page
+def _weights(clip: str, pretrained: str | None) -> str:
+    """Where the run's theta_0 came from, as the model loader read model.pretrained."""
+    from mima.models.clip import EMBEDDED_PREFIX, LOCAL_DIR_PREFIX, effective_pretrained
+
+    tag = effective_pretrained(clip, pretrained)
+    if tag is not None:
+        return f"pretrained: {tag}"
+    if clip.startswith(EMBEDDED_PREFIX):
+        return "pretrained by mima on first use"
+    return "weights of the folder" if clip.startswith(LOCAL_DIR_PREFIX) else "random weights"
+
+
 def _run_settings(run: Path) -> list[str]:
     config = load_run_config(run)  # the values `mima fit` used, defaults included
     model, data = config.model, config.data
     trainer = config.other.get("trainer") or {}
     return [
-        f"model `{model.clip}` (pretrained: {model.pretrained or 'none'}), heads `{model.heads}`",
+        f"model `{model.clip}` ({_weights(model.clip, model.pretrained)}), heads `{model.heads}`",
         f"tasks: {', '.join(data.tasks or [])}"
         + (f"benchmark {data.benchmark}" if getattr(data, "benchmark", None) is not None else "")
         + f" (suite `{data.suite}`)",
