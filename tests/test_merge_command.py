@@ -161,3 +161,15 @@ def test_results_carry_the_selections_notes(tmp_path):
     assert report["notes"] == notes and report["test_accuracy"] == {"a": 0.5, "b": 1.0, "mean": 0.75}
     report_results(tmp_path / "u.safetensors", get_method("uniform"), Selection("uniform", {}, None, [], {"w": torch.zeros(1)}), _Pool())
     assert json.loads((tmp_path / "u.safetensors.results.json").read_text())["notes"] is None
+
+
+def test_the_merge_says_its_test_accuracy_and_the_files_it_wrote(tmp_path):
+    """What `mima merge --config ...` prints after the merge line: each task's test accuracy, the mean,
+    the chosen point's validation score and the results files (all read back from what it wrote)."""
+    trials = [{"lam": 0.3, "score": 0.25}, {"lam": 0.5, "score": 0.625}]
+    selection = Selection("task_arithmetic", {"lam": 0.5}, 0.625, trials, {"w": torch.zeros(1)})
+    lines = report_results(tmp_path / "m.safetensors", get_method("task_arithmetic"), selection, _Pool())
+    report = json.loads((tmp_path / "m.safetensors.results.json").read_text())
+    assert report["test_accuracy"]["mean"] == 0.75 and report["validation_accuracy"] == 0.625
+    assert lines == ["test accuracy (%): a 50.0, b 100.0; mean 75.0; validation 62.5 (the best of 2 grid points)",
+                     f"wrote {tmp_path / 'm.safetensors.results.json'} and {tmp_path / 'm.safetensors.results.md'}"]

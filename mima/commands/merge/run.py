@@ -101,11 +101,12 @@ def run_merge(options: MergeOptions) -> None:
             if per_task:
                 meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
             write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
-    if pool is not None:
-        report_results(options.output, method, selection, pool, options.overwrite)
+    summary = report_results(options.output, method, selection, pool, options.overwrite) if pool is not None else []
     where = "" if device.type == "cpu" or method.needs_data else f" on {device}"
     print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'})"
           f"{where} -> {options.output}")
+    for line in summary:
+        print(f"mima merge: {line}")
 
 
 def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: Mapping[str, object], select_on: str | None,
@@ -151,8 +152,10 @@ def printable(hparams: dict) -> dict:
     return {k: v for k, v in hparams.items() if k != "matrix_keys"}
 
 
-def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool", overwrite: bool = True) -> None:
-    """Each task's test accuracy (per-task methods: of that task's own model), written beside the output."""
+def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool",
+                   overwrite: bool = True) -> list[str]:
+    """Each task's test accuracy (per-task methods: of that task's own model), written beside the output;
+    returns the lines that tell the user what it found and where it wrote it."""
     test = pool.evaluator("test")
     if isinstance(method, PerTaskMerge):
         accuracy = {task: test.accuracy(method.reconstruct(selection.merged, t), [task])[task] for t, task in enumerate(pool.tasks)}
@@ -174,3 +177,6 @@ def report_results(output: Path, method: MergeMethod, selection: Selection, pool
         lines += ["", "Validation grid:", "", "| " + " | ".join(keys) + " | val accuracy (%) |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(str(t[k]) for k in keys) + f" | {100 * t['score']:.1f} |" for t in selection.trials]
     write_text_atomic(md_path, "\n".join(lines) + "\n", overwrite=overwrite)
+    chosen = "" if selection.score is None else f"; validation {100 * selection.score:.1f} (the best of {len(selection.trials)} grid points)"
+    tasks = ", ".join(f"{task} {100 * value:.1f}" for task, value in accuracy.items())
+    return [f"test accuracy (%): {tasks}; mean {100 * mean:.1f}{chosen}", f"wrote {json_path} and {md_path}"]
