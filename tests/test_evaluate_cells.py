@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from mima.cli import main
 from mima.commands.evaluate.dealing import Unit, deal
 from mima.evaluation.accuracy import accuracy_of
-from mima.evaluation.cells import Cell, CellStore, read_cells
+from mima.evaluation.cells import Cell, CellStore, read_checked_cells
 from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 from tests.helpers import cli, run_command
@@ -45,7 +45,7 @@ def test_a_cell_line_cut_by_a_kill_is_ignored_and_a_foreign_folder_refused(tmp_p
     store.record(cell, [3, 4])
     with open(store.own_file, "a") as handle:
         handle.write('{"cell": ["a", "uniform", "{}", "test", "u"], "val')  # a write cut short
-    assert read_cells(store.own_file) == {cell: [3, 4]}
+    assert read_checked_cells(store.own_file, store.fingerprint) == ({cell: (1, [3, 4])}, [])  # the cut line: neither
     again = CellStore(tmp_path, "s2", 0)
     again.prepare({"runs": {"a": {}}, "merges": ["uniform"], "session": "s2"}, overwrite=False)  # the same evaluation
     assert again.load() == 1 and cell in again

@@ -8,12 +8,14 @@ the same options with the same defaults, and make the same checks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from mima.core.errors import MimaError
 from mima.core.plan import phase_lengths, task_phase_lengths
 from mima.core.run_folder import JOINT
+from mima.core.settings import STEPS_MAX, VALUE_RANGES, check_section, check_value
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
@@ -121,22 +123,38 @@ class ModelSettings:
     phase_ratio: float = 2.0
 
     def __post_init__(self) -> None:
+        self.check_ranges()
         # a map is checked against its own task names here; that they are the run's tasks, where those are known
         names = list(self.steps) if isinstance(self.steps, dict) else ["every task"]
         shortest = min(min(lengths) for lengths in self.task_lengths(names))
         if isinstance(self.steps, dict) and self.mode == JOINT:
             raise MimaError("model.steps: the joint baseline trains one model on every task at once; give one number of "
                             "steps, not a map of per-task budgets")
-        if self.lr <= 0:
-            raise MimaError(f"model.lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise MimaError(f"model.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.probe_shots is not None and self.probe_shots < 1:
-            raise MimaError(f"model.probe_shots must be a positive number of images per class, got {self.probe_shots}")
         if self.segment_warmup_steps < 0 or self.segment_warmup_steps > shortest:
             raise MimaError(
                 f"model.segment_warmup_steps must be in 0 .. K = {shortest} (steps per phase, the shortest), got {self.segment_warmup_steps}"
             )
+
+    def check_ranges(self) -> None:
+        """Each number against its range (mima.core.settings.VALUE_RANGES): before any is computed with."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        if isinstance(self.steps, dict):  # a budget per task, each checked below under its task's name
+            del fields["steps"]
+        check_section("model", fields)
+        if isinstance(self.steps, dict):
+            for task, budget in self.steps.items():
+                check_value("model.steps", budget, f"model.steps.{task}")
+        for name, value in (self.sync_merge_args or {}).items():
+            if f"model.sync_merge_args.{name}" in VALUE_RANGES:
+                check_value(f"model.sync_merge_args.{name}", value)
+        if self.phase_schedule == "geometric" and self.iterations > 1:
+            # the longest phase is phase_ratio^(N-1) times the shortest, and no phase may be empty: past the
+            # step bound (and long before a float overflows computing the power) the shortest gets no step
+            spread = (self.iterations - 1) * abs(math.log(self.phase_ratio))
+            if spread > math.log(STEPS_MAX):
+                raise MimaError(f"model.phase_ratio={self.phase_ratio}: over model.iterations={self.iterations} phases the "
+                                f"longest phase would be {self.phase_ratio}^{self.iterations - 1} times the shortest, more "
+                                f"than {STEPS_MAX} steps; choose a ratio nearer 1 or fewer phases")
 
     def task_lengths(self, tasks: list[str]) -> tuple[tuple[int, ...], ...]:
         """K_1 .. K_N of each of the run's `tasks` (one budget for all, or the map's S_t)."""

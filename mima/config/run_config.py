@@ -24,8 +24,8 @@ from jsonargparse import ArgumentParser, Namespace
 
 from mima.core.errors import MimaError
 from mima.config.model import ModelSettings
-from mima.config.source import check_config_source
-from mima.core.run_folder import RunFolder, read_config_mapping
+from mima.config.source import check_config_source, check_run_values, config_mapping, read_config_file
+from mima.core.run_folder import RunFolder
 from mima.data.settings import DataSettings
 
 SECTIONS = ("model", "data")
@@ -93,20 +93,17 @@ def load_run_config(source: str | os.PathLike | Mapping | RunFolder) -> RunConfi
         return parse_run_config(source, "config")
     folder = source if isinstance(source, RunFolder) else RunFolder(Path(source))
     if folder.path.is_dir():
-        return parse_run_config(folder.config_dict(), str(folder.config_file))
+        return parse_run_config(read_config_file(folder.config_file, str(folder.config_file)), str(folder.config_file))
     path = folder.path
     check_config_source(path)
-    raw = read_config_mapping(path, f"--config {path}")
+    raw = read_config_file(path, f"--config {path}")
     return parse_run_config(raw, f"--config {path}")
 
 
 def parse_run_config(raw: Mapping, source: str = "config") -> RunConfig:
-    sections = {}
-    for name in SECTIONS:
-        value = raw.get(name) or {}
-        if not isinstance(value, Mapping):
-            raise MimaError(f"{source}: '{name}:' must be a mapping of options, got {type(value).__name__}")
-        sections[name] = dict(value)
+    config_mapping(raw, source)  # each section a mapping
+    check_run_values(raw)  # the numbers outside model: and data: (those the settings dataclasses check)
+    sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     try:
         parsed = _parser().parse_object(sections)
     except Exception as exc:  # jsonargparse's ArgumentError / ValueError: a user's config mistake

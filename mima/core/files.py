@@ -29,7 +29,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from mima.core.errors import MimaError
@@ -312,8 +312,9 @@ def read_json(path: str | os.PathLike, expect: type = dict) -> object:
     return value
 
 
-def read_json_lines(path: str | os.PathLike) -> list[dict]:
-    """A JSON-lines file of objects (metrics.jsonl), one line naming the file and line if damaged."""
+def read_json_lines(path: str | os.PathLike, check: Callable[[dict], str | None] | None = None) -> list[dict]:
+    """A JSON-lines file of objects (metrics.jsonl), one line naming the file and line if damaged;
+    `check` says why a record cannot be used (None: it can), named with its line the same way."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -331,6 +332,9 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
             raise MimaError(f"{path}: line {number} is not valid JSON ({exc})") from None
         if not isinstance(record, dict):
             raise MimaError(f"{path}: line {number} is not a JSON object")
+        why = check(record) if check is not None else None
+        if why is not None:
+            raise MimaError(f"{path}: line {number} {why}")
         records.append(record)
     return records
 

@@ -184,9 +184,11 @@ class RunFolder:
         return [self.final_file(task) for task in self.task_order()]
 
     def phase_records(self) -> list[dict]:
+        """metrics.jsonl's records, each checked (`phase_record_problem`): a damaged line is one
+        line naming the file and the line."""
         if not self.metrics_file.is_file():
             return []
-        return read_json_lines(self.metrics_file)
+        return read_json_lines(self.metrics_file, check=phase_record_problem)
 
     # ---------------------------------------------------------------------------- write
     def check_target(self, resuming: bool, overwrite: bool) -> list[Path]:
@@ -249,6 +251,43 @@ class RunFolder:
             return
         kept = [json.dumps(r) for r in self.phase_records() if r["phase"] <= completed_phases]
         write_text_atomic(self.metrics_file, "".join(line + "\n" for line in kept))
+
+
+def phase_record_problem(record: Mapping) -> str | None:
+    """Why a metrics.jsonl record is not one phase's (None: it is): what its readers (the plots, the
+    report, `mima analyze cosine`, a resume's trim) take from it. Losses and cosines may be NaN or
+    infinite (a diverged phase); other keys are free."""
+    for key in ("phase", "step"):
+        if not _is_whole(record.get(key)) or record[key] < 0:
+            return f"has no whole-number {key!r} (found {_short(record.get(key))})"
+    tasks = record.get("tasks")
+    if not isinstance(tasks, list) or not all(isinstance(task, str) for task in tasks):
+        return f"has no list of task names 'tasks' (found {_short(tasks)})"
+    for key in ("mean_cos_tau", "mean_cos_delta"):
+        if not _is_number(record.get(key)):
+            return f"has no number {key!r} (found {_short(record.get(key))})"
+    for key in ("cos_tau", "cos_delta"):  # optional: `mima analyze cosine` says when they are missing
+        matrix = record.get(key, [[0.0] * len(tasks)] * len(tasks))
+        if not (isinstance(matrix, list) and len(matrix) == len(tasks) and all(
+                isinstance(row, list) and len(row) == len(tasks) and all(map(_is_number, row)) for row in matrix)):
+            return f"has no {len(tasks)} x {len(tasks)} matrix of numbers {key!r}"
+    loss = record.get("loss")
+    if not isinstance(loss, dict) or not all(_is_number(value) for value in loss.values()):
+        return f"has no numbers per task in 'loss' (found {_short(loss)})"
+    return None
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)

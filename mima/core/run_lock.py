@@ -11,7 +11,8 @@ A second job finds the file and looks at its holder:
 
 - alive (same host: the process exists and started when the lock says; another host: a heartbeat less
   than `stale_after_s` ago): refused with one line naming the holder (`MimaError`);
-- dead (same host: no such process, or another process under a reused pid; the same SLURM job id as
+- dead (same host: no such process, a pid that is no process id (not a whole number in 1..pid_max:
+  an edited or damaged file), or another process under a reused pid; the same SLURM job id as
   this job's, i.e. an earlier run of a requeued job; another host: no heartbeat for `stale_after_s`):
   the stale lock is taken over, with a note on stderr. Two jobs taking over at once serialise on a
   second exclusive file (LOCK.takeover), so only one of them wins.
@@ -47,6 +48,26 @@ def _process_start(pid: int) -> str | None:
             return stat.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _pid_max() -> int:
+    """The largest process id of this host (Linux: /proc/sys/kernel/pid_max; 2^22 is the kernel's limit)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 2**22
+
+
+def _is_pid(value: object) -> bool:
+    """A value that can name a running process: a whole number in 1..pid_max (0 and -1 would
+    signal a process group or every process; 2^70 overflows os.kill)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _pid_max()
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _alive(pid: int) -> bool:
@@ -185,7 +206,9 @@ class RunLock:
             return f"an earlier run of this SLURM job {mine}"
         if holder.get("host") == socket.gethostname():
             pid = holder.get("pid")
-            if not isinstance(pid, int) or not _alive(pid):
+            if not _is_pid(pid):  # edited or damaged: no process of this host can hold it
+                return f"its pid {_short(pid)} is not a process id"
+            if not _alive(pid):
                 return "its process is no longer running"
             if holder.get("process_start") is not None and _process_start(pid) not in (None, holder["process_start"]):
                 return "its process is no longer running (the pid is another process's now)"

@@ -124,7 +124,8 @@ def _hash_array(digest, array) -> None:
 def _hash_files(digest, paths: Sequence[str]) -> None:
     for path in paths:
         stat = os.stat(path)
-        digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        # fsencode: a name that is not valid UTF-8 hashes as its bytes (the same bytes as encode() for any other)
+        digest.update(os.fsencode(path) + f"|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
 
 
 def _path_pairs(value) -> bool:

@@ -25,6 +25,9 @@ Every image file is opened and verified (PIL's `verify`: the header, and for PNG
 checksum) when the config is read, before anything is written; an unreadable file stops the
 command with its name, or with `bad_images: skip` is left out with a count. A file that passes
 `verify` but fails to decode later (a truncated JPEG) still stops training with its name.
+An image name on something that is not a regular file (a FIFO, device or socket, or a link to
+one) stops the command naming it whatever `bad_images` says, before anything opens it; so does a
+class folder whose name is not valid UTF-8 (shown as its bytes).
 
 Splits (fixed seeds, so every run and every merge sees the same images):
   test  PATH/test, or else a holdout of TEST_FRACTION of the training images;
@@ -44,6 +47,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +58,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from mima.data.splits import carve_validation, holdout_split, validation_size
-from mima.data.tasks import LoadOptions, TaskData, TaskSpec
+from mima.data.tasks import LoadOptions, TaskData, TaskSpec, check_templates
 from mima.core.errors import MimaError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -156,17 +160,52 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def class_folders(folder: Path) -> list[str]:
-    """The sub-folder names of `folder`, sorted (torchvision ImageFolder's class order)."""
-    return sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
+    """The sub-folder names of `folder`, sorted (torchvision ImageFolder's class order).
+
+    A name that is not valid UTF-8 stops the command, shown as its bytes: it would become a class
+    name (prompt text, JSON, hashes), which must be text."""
+    names = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith("."))
+    for name in names:
+        if not name.isascii():
+            try:
+                name.encode("utf-8")  # os.scandir keeps undecodable bytes as lone surrogates, which do not encode
+            except UnicodeEncodeError:
+                raise MimaError(f"{folder}: folder name {escaped_name(name)} is not valid UTF-8; rename it") from None
+    return names
+
+
+def escaped_name(name: str) -> str:
+    """A file name as its bytes with backslash escapes (b'caf\\xe9'), printable whatever its encoding."""
+    return repr(os.fsencode(name))
 
 
 def image_files(folder: Path) -> list[str]:
     """Every image file below `folder` (recursively, following links), in torchvision ImageFolder's
-    order (folders sorted by path, files sorted by name), so that split indices are ImageFolder's."""
+    order (folders sorted by path, files sorted by name), so that split indices are ImageFolder's.
+
+    An image name on something that is not a regular file (a FIFO, device or socket, or a link to
+    one) stops the command naming it, before anything opens it: opening a FIFO waits forever for a
+    writer. A broken link stays listed (opening it fails with its name, as for any unreadable file)."""
     found = []
     for directory, _, files in sorted(os.walk(folder, followlinks=True)):
         found += [os.path.join(directory, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    for path in found:
+        refuse_special_file(path)
     return found
+
+
+def refuse_special_file(path: str) -> None:
+    """A one-line error when `path` (links followed) exists but is not a regular file."""
+    try:
+        mode = os.stat(path).st_mode  # stat, not open: it never blocks on a FIFO
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
+        kind = next((word for test, word in kinds if test(mode)), "not a regular file")
+        link = " (through a symbolic link)" if os.path.islink(path) else ""
+        raise MimaError(f"{path}: is {kind}{link}, not an image file; remove it from the data folder")
 
 
 def scan_split(
@@ -229,6 +268,7 @@ def as_folder_task(value: FolderTask | Mapping, position: int = 0) -> FolderTask
         raise MimaError(f"data.custom_tasks[{position}]: name {task.name!r} must be letters, digits and _ . + - (no spaces or '/')")
     if task.bad_images not in BAD_IMAGE_CHOICES:
         raise MimaError(f"data.custom_tasks '{task.name}': bad_images {task.bad_images!r} must be one of {', '.join(BAD_IMAGE_CHOICES)}")
+    folder_templates(task)  # now, with the config: a bad template would otherwise stop training at the head
     return task
 
 
@@ -263,8 +303,9 @@ def read_classnames(task: FolderTask, classes: Sequence[str]) -> tuple[str, ...]
     if task.classnames_file is None:
         return tuple(name.replace("_", " ") for name in classes)
     path = Path(task.classnames_file).expanduser()
-    if not path.is_file():
-        raise MimaError(f"data.custom_tasks '{task.name}': classnames_file {path}: no such file")
+    if not path.is_file():  # is_file is a stat: a FIFO here is refused, never opened
+        problem = "not a regular file" if path.exists() else "no such file"
+        raise MimaError(f"data.custom_tasks '{task.name}': classnames_file {path}: {problem}")
     names = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
     if len(names) != len(classes):
         raise MimaError(
@@ -274,14 +315,10 @@ def read_classnames(task: FolderTask, classes: Sequence[str]) -> tuple[str, ...]
     return names
 
 
-def check_templates(task: FolderTask) -> tuple[str, ...]:
-    templates = tuple(task.templates) if task.templates is not None else DEFAULT_TEMPLATES
-    if not templates:
-        raise MimaError(f"data.custom_tasks '{task.name}': templates is empty")
-    for template in templates:
-        if not isinstance(template, str) or template.count("{}") != 1:
-            raise MimaError(f"data.custom_tasks '{task.name}': template {template!r} must hold '{{}}' exactly once")
-    return templates
+def folder_templates(task: FolderTask) -> tuple[str, ...]:
+    """The task's prompt templates (default DEFAULT_TEMPLATES), checked (`mima.data.tasks.check_templates`)."""
+    templates = task.templates if task.templates is not None else DEFAULT_TEMPLATES
+    return check_templates(templates, f"data.custom_tasks '{task.name}'")
 
 
 def folder_task_spec(task: FolderTask) -> TaskSpec:
@@ -289,7 +326,7 @@ def folder_task_spec(task: FolderTask) -> TaskSpec:
     any image is loaded); the images are listed when the task's data is loaded."""
     layout = read_layout(task)
     classnames = read_classnames(task, layout.classes)
-    templates = check_templates(task)
+    templates = folder_templates(task)
     # Listed and checked now, with the config, so that a folder without (readable) images, or with
     # too few for the splits, stops `mima fit` before it has built a model or written a run folder
     # (not at the first batch); the listing is then reused.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mima.core.errors import MimaError
+from mima.core.settings import check_section
 from mima.data.image_folder import FolderTask
 
 
@@ -64,8 +65,7 @@ class DataSettings:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise MimaError(f"data.batch_size must be positive, got {self.batch_size}")
+        check_section("data", {name: getattr(self, name) for name in self.__dataclass_fields__})
         if self.benchmark is not None:
             object.__setattr__(self, "benchmark", str(self.benchmark))  # `benchmark: 8` in YAML is an int
             benchmark_tasks(self.suite, self.tasks, self.benchmark)  # its mistakes, now

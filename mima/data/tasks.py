@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from string import Formatter
 
 from torch.utils.data import Dataset
+
+from mima.core.errors import MimaError
 
 
 @dataclass(frozen=True)
@@ -48,3 +51,42 @@ class TaskSpec:
     @property
     def num_classes(self) -> int:
         return len(self.classnames)
+
+
+# A stand-in class name: templates are checked when the config is read, before class names are known.
+PROBE_CLASSNAME = "classname"
+
+
+def check_templates(templates: object, what: str) -> tuple[str, ...]:
+    """`templates` as a tuple, each checked as zero-shot heads use it (mima.models.heads formats
+    `template.format(classname)`: one positional argument), so that a bad one stops the command with
+    one line naming `what` and the template when the config is read, not inside training.
+
+    Each must hold one plain "{}" (no name, index, conversion or format spec); other braces are
+    written doubled ("{{", "}}")."""
+    if isinstance(templates, (str, bytes)) or not isinstance(templates, (list, tuple)):
+        raise MimaError(f"{what}: templates must be a list of strings, each with '{{}}' once, got {templates!r}")
+    if not templates:
+        raise MimaError(f"{what}: templates is empty")
+    for template in templates:
+        problem = template_problem(template)
+        if problem is not None:
+            raise MimaError(f"{what}: template {template!r} {problem}; write '{{}}' once where the class name goes "
+                            "(e.g. 'a photo of a {}.'), and any other brace doubled ('{{' or '}}')")
+    return tuple(templates)
+
+
+def template_problem(template: object) -> str | None:
+    """Why `template` cannot be a prompt template (None when it can)."""
+    if not isinstance(template, str):
+        return "is not a string"
+    try:
+        template.format(PROBE_CLASSNAME)  # what the head does: anything but positional field 0 fails here
+        fields = [(name, spec, conversion) for _, name, spec, conversion in Formatter().parse(template) if name is not None]
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        return f"cannot be filled with a class name ({type(exc).__name__}: {exc})"
+    if fields != [("", "", None)]:
+        written = ", ".join("{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+                            for name, spec, conversion in fields)
+        return f"has {len(fields)} replacement fields ({written or 'none'}) where one plain '{{}}' is needed"
+    return None

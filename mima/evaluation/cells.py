@@ -11,22 +11,35 @@ On disk (in the evaluation folder, `mima evaluate --out`):
                                  the precision, ...). A folder whose manifest differs belongs to
                                  another evaluation and is refused (or replaced with --overwrite).
     cells/<session>-p<rank>.jsonl one file per process and session, one JSON line per cell, appended
-                                 and fsynced as each cell finishes.
+                                 and fsynced as each cell finishes: {"cell", "value", "check"}.
 No file is ever written by two processes, and none is locked, so the folder may sit on a shared
 filesystem (Lustre, GPFS, NFS). A line cut short by a kill is ignored when reading (its cell is
 simply evaluated again).
+
+Every cell read back is checked before it is used (`value_problem`, `CellStore.load`): its "check"
+is a digest of the manifest it was recorded under, its identity and its value, so an edited line,
+or one copied from another evaluation, does not match; counts are whole numbers with
+0 <= correct <= total, and every cell of one (split, task) counts the same images; cosines are
+numbers in [-1, 1]. A bad line is left out (its cell is evaluated again) and named once per file
+in `CellStore.rejected`: a result is never built from it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from mima.core.errors import MimaError
 from mima.core.files import read_json, write_json_atomic
+
+GEOMETRY = "pairwise_cos_tau"  # the model of the cell holding a run's task-vector cosines (split and task "-")
+COSINE_SLACK = 1e-6  # a cosine computed in floating point may pass 1 by rounding
 
 
 @dataclass(frozen=True, order=True)
@@ -56,6 +69,8 @@ class CellStore:
         self.folder = Path(folder)
         self.own_file = self.folder / self.FOLDER / f"{session}-p{rank}.jsonl"
         self.values: dict[Cell, object] = {}
+        self.rejected: list[str] = []  # one line per cell file with lines left out by the last `load`
+        self._fingerprint: str | None = None  # the manifest's digest, part of every cell's check
 
     @property
     def manifest_file(self) -> Path:
@@ -79,6 +94,7 @@ class CellStore:
             self.clear()  # cells without a manifest: left by an interrupted --overwrite
         self.cells_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.manifest_file, dict(manifest))
+        self._fingerprint = None
 
     def read_manifest(self) -> dict | None:
         if not self.manifest_file.is_file():
@@ -94,24 +110,49 @@ class CellStore:
             for path in self.cells_dir.iterdir():
                 path.unlink()
 
+    @property
+    def fingerprint(self) -> str:
+        """The digest of the manifest on disk (its session aside): what every cell's check binds it to."""
+        if self._fingerprint is None:
+            self._fingerprint = manifest_fingerprint(self.read_manifest() or {})
+        return self._fingerprint
+
     # ------------------------------------------------------------------ cells
     def load(self) -> int:
-        """Read every process's cells; returns how many cells are known."""
-        self.values = {}
+        """Read every process's cells, each checked (the module text); returns how many cells are
+        known. The files with lines left out are named in `rejected`, one line each."""
+        found: dict[Cell, object] = {}
+        where: dict[Cell, tuple[Path, int]] = {}
+        bad: dict[Path, list[tuple[int, str]]] = {}
         if self.cells_dir.is_dir():
             for path in sorted(self.cells_dir.glob("*.jsonl")):
-                self.values.update(read_cells(path))
+                cells, problems = read_checked_cells(path, self.fingerprint)
+                for cell, (number, value) in cells.items():
+                    found[cell], where[cell] = value, (path, number)
+                if problems:
+                    bad[path] = problems
+        for cell, why in other_image_counts(found).items():
+            path, number = where.pop(cell)
+            del found[cell]
+            bad.setdefault(path, []).append((number, why))
+        self.values = found
+        self.rejected = [describe_rejected(path, sorted(problems)) for path, problems in sorted(bad.items())]
         return len(self.values)
 
     def __contains__(self, cell: Cell) -> bool:
         return cell in self.values
 
     def get(self, cell: Cell):
+        """The cell's value; one line if it has none (its lines were all left out, as `rejected` says)."""
+        if cell not in self.values:
+            raise MimaError(f"{self.cells_dir}: no valid result for {cell.as_list()} (see the lines above); "
+                            "remove the cell files named there to evaluate their cells again")
         return self.values[cell]
 
     def record(self, cell: Cell, value: object) -> None:
         """Append the cell to this process's file and force it to disk before going on."""
-        line = json.dumps({"cell": cell.as_list(), "value": value}) + "\n"
+        line = json.dumps({"cell": cell.as_list(), "value": value,
+                           "check": cell_check(self.fingerprint, cell.as_list(), value)}) + "\n"
         self.own_file.parent.mkdir(parents=True, exist_ok=True)
         data = line.encode("utf-8")
         handle = os.open(self.own_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -132,22 +173,117 @@ class CellStore:
         return [cell for cell in cells if cell not in self.values]
 
 
-def read_cells(path: Path) -> dict[Cell, object]:
-    """The complete lines of one cell file (a last line without its newline was cut by a kill)."""
-    found: dict[Cell, object] = {}
+def read_checked_cells(path: Path, fingerprint: str) -> tuple[dict[Cell, tuple[int, object]], list[tuple[int, str]]]:
+    """The good cells of one file with their line numbers, and (line number, why) for each bad
+    line (a last line cut by a kill is neither: it was never finished)."""
+    found: dict[Cell, tuple[int, object]] = {}
+    problems: list[tuple[int, str]] = []
+    for number, entry in _complete_lines(path):
+        why = line_problem(entry, fingerprint)
+        if why is None:
+            found[Cell(*entry["cell"])] = (number, entry["value"])
+        else:
+            problems.append((number, why))
+    return found, problems
+
+
+def _complete_lines(path: Path) -> Iterable[tuple[int, object]]:
+    """(line number, parsed JSON or None where the line is not JSON) of each complete line."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise MimaError(f"{path}: cannot read this cell file ({error}); remove it to evaluate its cells again") from None
-    for line in text.splitlines(keepends=True):
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
         if not line.endswith("\n"):
             break
         try:
-            entry = json.loads(line)
-            found[Cell(*entry["cell"])] = entry["value"]
-        except (ValueError, KeyError, TypeError):
-            continue  # a damaged line: its cell is evaluated again
-    return found
+            yield number, json.loads(line)
+        except ValueError:
+            yield number, None
+
+
+def manifest_fingerprint(manifest: Mapping) -> str:
+    return hashlib.sha256(json.dumps(_comparable(manifest), sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def cell_check(fingerprint: str, cell: list, value: object) -> str:
+    """The digest that binds a cell's identity and value to the evaluation it was recorded in."""
+    return hashlib.sha256(json.dumps([fingerprint, cell, value]).encode("utf-8")).hexdigest()[:16]
+
+
+def line_problem(entry: object, fingerprint: str) -> str | None:
+    """Why one parsed cell line cannot be used (None: it can)."""
+    if not isinstance(entry, dict) or not {"cell", "value"} <= set(entry):
+        return "not a cell record"
+    cell = entry["cell"]
+    if not isinstance(cell, list) or len(cell) != 5 or not all(isinstance(part, str) for part in cell):
+        return "its cell is not five names (run, model, point, split, task)"
+    why = value_problem(Cell(*cell), entry["value"])  # first: an impossible value says more than its digest
+    if why is None and entry.get("check") != cell_check(fingerprint, cell, entry["value"]):
+        why = ("no check digest (written by an earlier mima)" if "check" not in entry else
+               "its check digest does not match its content (edited, or from another evaluation)")
+    return why
+
+
+def value_problem(cell: Cell, value: object) -> str | None:
+    """Why `value` cannot be `cell`'s result (None: it can): counts (correct, total) are whole
+    numbers with 0 <= correct <= total; the cosines cell holds cosines."""
+    if cell.model == GEOMETRY:
+        return _cosines_problem(value)
+    if not (isinstance(value, list) and len(value) == 2 and all(_is_whole(count) for count in value)):
+        return f"its value {_short(value)} is not two whole numbers (correct, total)"
+    correct, total = value
+    if not 0 <= correct <= total:
+        return f"{correct} correct of {total} images"
+    return None
+
+
+def _cosines_problem(value: object) -> str | None:
+    if not isinstance(value, dict) or not isinstance(value.get("pairs"), list) or "mean" not in value:
+        return f"its value {_short(value)} is not the task vectors' cosines (pairs, mean)"
+    pairs, mean = value["pairs"], value["mean"]
+    if not all(_is_cosine(pair) for pair in pairs):
+        return f"its pairwise cosines {_short(pairs)} are not all numbers in [-1, 1]"
+    # one task has no pairs: their mean is NaN
+    if not (_is_cosine(mean) or (not pairs and isinstance(mean, float) and math.isnan(mean))):
+        return f"its mean cosine {_short(mean)} is not a number in [-1, 1]"
+    return None
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_cosine(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 1 + COSINE_SLACK
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def other_image_counts(cells: Mapping[Cell, object]) -> dict[Cell, str]:
+    """The count cells whose total differs from that of most cells of their (split, task): every
+    model is evaluated on the same images, so a (split, task) has one size."""
+    totals: dict[tuple[str, str], Counter] = {}
+    for cell, value in cells.items():
+        if cell.model != GEOMETRY:
+            totals.setdefault((cell.split, cell.task), Counter())[value[1]] += 1
+    odd = {}
+    for cell, value in cells.items():
+        if cell.model != GEOMETRY:
+            size, _ = totals[(cell.split, cell.task)].most_common(1)[0]
+            if value[1] != size:
+                odd[cell] = f"{value[1]} images of ({cell.split}, {cell.task}), where the other cells count {size}"
+    return odd
+
+
+def describe_rejected(path: Path, problems: list[tuple[int, str]]) -> str:
+    """One line naming a cell file and its first bad line (why), and how many more there are."""
+    number, why = problems[0]
+    more = f" (and {len(problems) - 1} more line(s))" if len(problems) > 1 else ""
+    return f"{path}: line {number} is not a valid cell: {why}{more}; left out, its cell is evaluated again"
 
 
 def same_evaluation(stored: Mapping, wanted: Mapping) -> bool:

@@ -16,7 +16,9 @@ segment a save holds the encoder and its moments: 1-3 encoder sizes per process)
 "30min" (at the first sync after that much time since the last save, by process 0's clock, which it
 shares at the sync, so every process saves at the same syncs), or 0 (never). A stop request (signal
 or RUN/STOP, see mima.training.preemption) saves at the next step boundary whatever the choice.
-The choice changes only when states are saved, never the weights.
+The choice changes only when states are saved, never the weights. Before a state is queued, what
+it holds is checked to be finite (step losses, weights, optimiser state): a process that diverged
+saves nothing more, so the states on disk stay the last good ones (mima.training.divergence).
 
 A state is built here from Lightning's public accessors (loop, optimiser, scheduler and callback
 states, in the layout `trainer.fit(ckpt_path=...)` restores), plus mima's own section: the run's
@@ -58,6 +60,7 @@ from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_snapshot, flatten_moments, reference,
                                              references, state_writer)
 from mima.training.checkpoint_retention import Commitments, Retention, StateRecord
+from mima.training.divergence import divergence_report, nonfinite_key
 from mima.training.phase_state import BufferName, PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
 from mima.training.resume import RunStart
@@ -134,6 +137,7 @@ class MimaCheckpoint(Checkpoint):
         self.last_save = 0.0  # time.monotonic() of the previous save (or the start)
         self.next_tidy = 0.0
         self.last_tidied: tuple[int, StateRecord | None] | None = None  # (committed phase, cut) last tidied for
+        self.healthy_at: int | None = None  # the step after which what this process holds was last found finite
 
     # ------------------------------------------------------------------------- lifecycle
     @override
@@ -178,12 +182,18 @@ class MimaCheckpoint(Checkpoint):
             return  # finished: final/ holds the result
         # asked before the stop check: a wall-clock decision is a broadcast every process makes here
         scheduled = self._scheduled(trainer, pl_module, step)
-        stopping = self.stop.stopped_by is not None or self.stop.at_step(plan.position(step).phase)
-        if stopping or scheduled:
+        if scheduled:  # before the stop check, so that a divergence found here stops the replicas too
+            self._healthy(trainer, pl_module)
+        # stopped at the sync that just ran (by a request or another process's divergence): the replicas
+        # saw the same decision there; a divergence of this process's own goes to them in at_step
+        stopped_at_sync = self.stop.stopped_by is not None or (self.stop.divergence is not None and not self.stop.diverged_here)
+        stopping = stopped_at_sync or self.stop.at_step(plan.position(step).phase)
+        if (stopping or scheduled) and not self.stop.diverged_here:
             self.save(trainer, pl_module)
         self.tidy(trainer)
-        if stopping:
+        if stopping and self.stop.divergence is None:
             self.stopped_by = self.stop.stopped_by if self.stop.stopped_by is not None else 0
+        if stopping or self.stop.diverged_here:
             trainer.should_stop = True
 
     def flush(self) -> None:
@@ -195,7 +205,7 @@ class MimaCheckpoint(Checkpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.writer.close()
         self.bytes_written = self.writer.bytes_written
-        finished = trainer.global_step >= pl_module.plan.local_steps and self.stopped_by is None
+        finished = trainer.global_step >= pl_module.plan.local_steps and self.stopped_by is None and self.stop.divergence is None
         self._publish_durable()
         trainer.strategy.barrier("mima: every process has finished writing")
         if not finished or self.keep:
@@ -255,9 +265,39 @@ class MimaCheckpoint(Checkpoint):
         return due
 
     # ------------------------------------------------------------------------------ save
+    def _healthy(self, trainer, pl_module) -> bool:
+        """Whether what this process would save now is finite: its step losses read so far, its working
+        weights and optimiser state (the tensors of PhaseState were checked where the sync callback
+        made them). If not, the process diverged (mima.training.divergence): it saves nothing more."""
+        if self.stop.diverged_here:
+            return False
+        if self.healthy_at == trainer.global_step:
+            return True  # checked before this step's stop check
+        self.phase_state.settle_losses()
+        plan, step = pl_module.plan, trainer.global_step - 1  # the step that just ended
+        bad = self.phase_state.nonfinite
+        if bad is not None:
+            task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.position(bad.step).task_index]
+            what, step = bad.nonfinite_part(), bad.step
+        else:
+            key = nonfinite_key(pl_module.state_dict())
+            key = f"weights ({key})" if key is not None else None
+            if key is None and (moments := nonfinite_key([o.state_dict()["state"] for o in trainer.optimizers])) is not None:
+                key = f"optimiser moments ({moments})"
+            if key is None:
+                self.healthy_at = trainer.global_step
+                return True
+            task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.position(step).task_index]
+            what = f"non-finite {key}"
+        phase = plan.position(min(trainer.global_step, plan.local_steps - 1)).phase
+        self.stop.diverge(phase, divergence_report(task, what, step, trainer.global_rank, trainer.world_size))
+        return False
+
     def save(self, trainer, pl_module) -> None:
         # Lightning's trainer.save_checkpoint ends with a barrier over all processes; MIMA's processes
         # save at different steps, so each builds its state itself (process_state).
+        if not self._healthy(trainer, pl_module):
+            return  # checked before anything is written: the states on disk stay the last good ones
         started = time.monotonic()
         self.writer.wait_for_job(self.in_flight)  # at most one checkpoint in flight: bounded host memory
         checkpoint = process_state(trainer, pl_module)

@@ -19,6 +19,7 @@ its own, from the public step counter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -160,11 +161,23 @@ def _nothing_to_wait_for() -> None:
 
 @dataclass(frozen=True)
 class StepLoss:
-    """One optimiser step's loss as the host reads it: the sum of its micro-batches' losses."""
+    """One optimiser step's loss as the host reads it: the sum of its micro-batches' losses; with
+    gradient clipping, also the norm of the gradients it stepped with (None: not measured)."""
 
     step: int
     slot: int
     value: float
+    grad_norm: float | None = None
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.value) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+
+    def nonfinite_part(self) -> str:
+        """What is not finite, for the line a diverged run ends with: "loss nan", "gradient norm inf"."""
+        if not math.isfinite(self.value):
+            return f"loss {self.value}"
+        return f"gradient norm {self.grad_norm}"
 
 
 class StepLosses:
@@ -174,28 +187,41 @@ class StepLosses:
     def __init__(self) -> None:
         self.pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, slot, micro-batch losses)
         self.micro_batches: list[torch.Tensor] = []  # of the running step
+        self.grad_norms: dict[int, torch.Tensor] = {}  # step -> its gradient norm (under clipping only)
+        self.grad_norm: torch.Tensor | None = None  # of the running step
 
     def add_micro_batch(self, loss: torch.Tensor) -> None:
         self.micro_batches.append(loss.detach())
 
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """The running step's gradient norm, kept on the device like its losses."""
+        self.grad_norm = norm.detach()
+
     def end_step(self, step: int, slot: int) -> None:
         self.pending.append((step, slot, self.micro_batches))
         self.micro_batches = []
+        if self.grad_norm is not None:
+            self.grad_norms[step] = self.grad_norm
+            self.grad_norm = None
 
     def settle(self) -> list[StepLoss]:
         """The pending steps' losses as floats. Summed on the host in float64, micro-batch by
         micro-batch, as `float(loss)` per micro-batch summed them: the logged values stay the same."""
         if not self.pending:
             return []
-        flat = torch.stack([loss.float() for _, _, losses in self.pending for loss in losses]).tolist()
+        norms = [self.grad_norms[step] for step, _, _ in self.pending if step in self.grad_norms]
+        # one device-to-host copy for the losses and the gradient norms (after them)
+        flat = torch.stack([loss.float() for _, _, losses in self.pending for loss in losses]
+                           + [norm.float() for norm in norms]).tolist()
+        read_norms = dict(zip((step for step, _, _ in self.pending if step in self.grad_norms), flat[len(flat) - len(norms):]))
         settled, index = [], 0
         for step, slot, losses in self.pending:
             total = 0.0
             for value in flat[index:index + len(losses)]:
                 total += value
             index += len(losses)
-            settled.append(StepLoss(step, slot, total))
-        self.pending = []
+            settled.append(StepLoss(step, slot, total, read_norms.get(step)))
+        self.pending, self.grad_norms = [], {}
         return settled
 
 
@@ -214,6 +240,7 @@ class PhaseState:
     step_seconds: float | None = None  # this process's median step time (how long its syncs wait; not the weights)
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
     shown_loss: float | None = None  # the newest step loss logged, for the progress bar (not saved)
+    nonfinite: StepLoss | None = None  # the first step read whose loss or gradient norm is NaN or inf (not saved)
     host: HostBuffers = field(default_factory=HostBuffers)  # the memory segment_ends and task_moments live in
 
     def keep_segment_end(self, slot: int, phase: int, weights: Mapping[str, torch.Tensor]) -> None:
@@ -254,6 +281,8 @@ class PhaseState:
         for settled in self.step_losses.settle():
             self.loss_sums[settled.slot] = self.loss_sums.get(settled.slot, 0.0) + settled.value
             self.unlogged.append(settled)
+            if self.nonfinite is None and not settled.finite:
+                self.nonfinite = settled  # the run stops (mima.training.divergence)
 
     def take_unlogged(self) -> list[StepLoss]:
         """Every step loss not yet logged, settled, in step order; forgotten here."""

@@ -15,6 +15,9 @@ own, served by process 0: `stop_store`), one key per phase:
   * Every process also reads the decision of its current phase at step boundaries, at most every
     LOOK_EVERY_S seconds (a store round trip at every step would cost each step, and load the
     store's host with every process's queries); its own signal and the STOP file it sees at once.
+  * A process that diverges (mima.training.divergence) claims the phase's decision for "diverged"
+    and leaves its report under one key: the others stop as at a "stop" (saving their states), it
+    saves nothing more, and every process's `mima fit` ends with that report.
 Whichever claim comes first wins, so either every process enters the sync of phase p or none
 does; every process stops inside the same phase, and their saved states form a consistent cut
 (mima.training.resume resumes each process from its own). Replicas of one task (W > T)
@@ -38,6 +41,9 @@ from mima.core.run_folder import RunFolder
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 GO = b"go"
+DIVERGED = b"diverged"  # a phase's decision when a process diverged (mima.training.divergence)
+DIVERGED_FLAG = 1 << 20  # in the replicas' per-step all-reduce: above any signal number, so it wins
+DIVERGENCE = "mima/divergence"  # the first divergence's report, for the line every process's run ends with
 FAILED = "mima/failed"
 POLL_S = 0.002
 LOOK_EVERY_S = 0.5  # how often a process asks the store whether another one has claimed "stop"
@@ -56,6 +62,15 @@ def _stop_value(signum: int) -> bytes:
 def _signal_of(decision: bytes) -> int | None:
     """The signal number a stop decision carries (0: the STOP file), None for "go"."""
     return int(decision.split(b":")[1]) if decision.startswith(b"stop:") else None
+
+
+def _flag_of(decision: bytes | None) -> int:
+    """A step's decision as one number, for the replicas' all-reduce: -1 no stop, a signal number
+    (0: the STOP file), or DIVERGED_FLAG."""
+    if decision == DIVERGED:
+        return DIVERGED_FLAG
+    signum = _signal_of(decision) if decision is not None else None
+    return -1 if signum is None else signum
 
 
 class StopAgreement:
@@ -80,6 +95,8 @@ class StopAgreement:
         self.device = torch.device("cpu")
         self.store: dist.Store | None = None
         self.stopped_by: int | None = None  # signal number that stopped the run; 0: the STOP file
+        self.divergence: str | None = None  # the report of the divergence that stopped the run
+        self.diverged_here = False  # this process (or a replica of its task) diverged: nothing more is saved
         self.waits: list[float] = []  # seconds this process waited at each sync for the others
         self.allowance_s = 0.0  # at the running sync: how much longer than timeout_s the others may take
         self._next_look = 0.0  # time.monotonic() from which at_step asks the store again
@@ -121,23 +138,49 @@ class StopAgreement:
         return self.store.get(self._key(phase))
 
     # ---------------------------------------------------------------------- the protocol
+    def diverge(self, phase: int, report: str) -> None:
+        """This process diverged inside `phase` (before its sync): it saves nothing more and stops
+        after this step; the others learn it from the store (the phase's decision) at their next
+        look, or at the sync, and stop too. The first report any process makes is the run's."""
+        self.diverged_here = True
+        if self.divergence is not None:
+            return
+        self.divergence = report
+        if self.store is not None:
+            self.store.compare_set(DIVERGENCE, "", report.encode())
+            self._claim(phase, DIVERGED)
+
+    def _learn_divergence(self) -> None:
+        """Another process diverged: its report, as it left it in the store."""
+        if self.divergence is None:
+            found = self.store is not None and self.store.check([DIVERGENCE])
+            self.divergence = self.store.get(DIVERGENCE).decode() if found else "a process diverged"
+
     def at_step(self, phase: int) -> bool:
-        """At a step boundary inside `phase`: True if the process must save and stop now."""
+        """At a step boundary inside `phase`: True if the process must stop now (and save, unless
+        the stop is a divergence of its own task: `diverged_here`)."""
         if not self.enabled:
-            return False
+            return self.divergence is not None
         requested = self._requested()
-        if requested is not None:
+        if self.diverged_here:
+            decision = DIVERGED  # claimed by `diverge`
+        elif requested is not None:
             # a claim cannot come back "go": this process has not arrived at the phase's sync
             decision = self._claim(phase, _stop_value(requested))
         else:
             decision = self._decided(phase) if self._look_now() else None
-        signum = _signal_of(decision) if decision is not None else None
-        if self.task_group is not None:  # replicas stop together (-1: no stop)
-            flag = torch.tensor([-1 if signum is None else signum], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.task_group)
-            signum = None if int(flag.item()) < 0 else int(flag.item())
-        self.stopped_by = signum
-        return signum is not None
+        flag = _flag_of(decision)
+        if self.task_group is not None:  # replicas stop together (-1: no stop); a divergence wins
+            shared = torch.tensor([flag], device=self.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.task_group)
+            if int(shared.item()) == DIVERGED_FLAG and flag != DIVERGED_FLAG:
+                self.diverged_here = True  # a replica's weights are this process's too
+            flag = int(shared.item())
+        if flag == DIVERGED_FLAG:
+            self._learn_divergence()
+            return True
+        self.stopped_by = None if flag < 0 else flag
+        return self.stopped_by is not None
 
     def _look_now(self) -> bool:
         """True at most every LOOK_EVERY_S: time to read another process's claim from the store."""
@@ -167,6 +210,9 @@ class StopAgreement:
                     decision = self._claim(phase, _stop_value(requested))
             if decision is not None:
                 self.waits.append(time.monotonic() - arrived_at)
+                if decision == DIVERGED:
+                    self._learn_divergence()
+                    return False
                 self.stopped_by = _signal_of(decision)
                 return self.stopped_by is None
             time.sleep(POLL_S)

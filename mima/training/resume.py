@@ -27,7 +27,9 @@ from safetensors import safe_open
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
 from mima.core.run_folder import RunFolder
+from mima.core.safetensors_io import load_state_dict
 from mima.training.checkpoint_format import STATE_NAME, CheckpointFiles, references
+from mima.training.divergence import nonfinite_key
 from mima.training.elastic import check_world_size, plan_redeal
 
 RUN_IDENTITY_KEYS = ("tasks", "steps", "iterations", "steps_per_phase", "world_size", "mode")
@@ -214,11 +216,35 @@ def choose_resume(run_dir: Path, layout: TaskLayout, expected: dict) -> tuple[Re
     _, _, chosen = max(candidates)
     cut = cuts[chosen]
     paths = {rank: state.path for rank, state in cut.items()}
+    refuse_nonfinite(run_dir, list(paths.values()))
     notes = unreadable + layout_notes.get(chosen, [])
     if chosen == here:
         return ResumeCut(paths, chosen, None, set_aside), notes
     redeal = plan_redeal(run_dir, cut, chosen, layout, expected)
     return ResumeCut(paths, chosen, redeal, set_aside), notes + [redeal.describe()]
+
+
+def refuse_nonfinite(run_dir: Path, states: Sequence[Path]) -> None:
+    """Refuse, in one line, a cut whose states (or the files they refer to) hold a NaN or inf: training
+    from it could only diverge again. mima checks every tensor before it writes it
+    (mima.training.divergence), so such a state comes from an older mima or from outside. Every file
+    is read once, by every process alike (they all choose the same cut), before anything is written."""
+    seen: set[str] = set()
+    for path in states:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        problems = [(path, nonfinite_key({key: value for key, value in saved.items() if key != "mima"}))]
+        problems.append((path, nonfinite_key(saved["mima"]["phase_state"], "mima.phase_state")))
+        for name in references(saved):
+            if name not in seen:
+                seen.add(name)
+                problems.append((Path(run_dir) / name, nonfinite_key(load_state_dict(Path(run_dir) / name))))
+        for file, key in problems:
+            if key is not None:
+                raise MimaError(
+                    f"--ckpt_path last: {file} holds non-finite values ({key}), so the run cannot resume from it "
+                    "(it was not written by this version of mima, which checks before it writes); "
+                    "start afresh with --overwrite"
+                )
 
 
 def resolve_resume(

@@ -26,6 +26,10 @@ before entering it they agree through the stop store whether to sync or to stop
 slowest may still train (mima.training.sync_deadline). A stop there leaves the sync pending: the
 state saved then resumes by running it first. How long each process waited for the others is logged per sync (`sync/wait_s`
 in its CSV log, `wait_s` per process in metrics.jsonl).
+
+A step loss (or, under gradient clipping, gradient norm) read as NaN or inf, or a segment's end
+weights or kept moments holding one, stop the run before anything of it is kept, averaged or
+written to final/ (mima.training.divergence).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
 from mima.training.averaging import average_phase, gather_task_values
+from mima.training.divergence import divergence_report, nonfinite_key
 from mima.training.phase_state import PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
 from mima.training.sync_deadline import StepClock, lag_steps, sync_allowance_s
@@ -158,7 +163,9 @@ class MimaSyncCallback(Callback):
             step = trainer.global_step - 1
             self.resumed_phase = plan.position(step).phase
             if not self._sync(trainer, pl_module, plan.position(step).phase, step + 1, resumed=True):
-                raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
+                if self.stop.divergence is None:
+                    raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
+                # a process that resumed mid-phase diverged: this one stops with the others, as it resumed
 
     # ------------------------------------------------------------------------ each step
     @override
@@ -183,8 +190,10 @@ class MimaSyncCallback(Callback):
         ends_segment = plan.ends_segment(step)
         if ends_segment or _logging_due(trainer.log_every_n_steps, step):
             self._log_step_losses(trainer, pl_module)
-        if not ends_segment:
+        if self._stop_if_diverged(trainer, pl_module) or not ends_segment:
             return
+        if self._segment_end_diverged(trainer, pl_module, step, position.task_index):
+            return  # nothing of it is kept, averaged or written
         self.phases.step_seconds = self.clock.median()  # saved with the state (a resumed sync's wait)
         self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
@@ -193,6 +202,17 @@ class MimaSyncCallback(Callback):
             self._load_into_encoder(pl_module, self.phases.avg)
             self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
         self.clock.restart(time.monotonic())
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        # Under clipping, a step whose gradient norm is NaN or inf diverges (the clipped gradients
+        # are NaN). Not with a gradient scaler (16-mixed): it skips such steps itself.
+        if not trainer.gradient_clip_val or getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:  # the norm clipping computes too, kept on the device with the step's loss
+            self.phases.step_losses.add_grad_norm(torch.nn.utils.get_total_norm(grads))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -207,6 +227,8 @@ class MimaSyncCallback(Callback):
         lag = lag_steps(pl_module.layout, plan.task_lengths, phase, resumed_in_phase=phase == self.resumed_phase)
         if not self.stop.at_sync(phase, sync_allowance_s(lag, self.clock.median())):
             self.phases.pending_sync = True
+            if self.stop.divergence is not None:  # another process diverged: stop here (the checkpoint saves)
+                trainer.should_stop = True
             return False
         self.phases.pending_sync = False
         if self.stop.waits:
@@ -216,6 +238,40 @@ class MimaSyncCallback(Callback):
         self._load_into_encoder(pl_module, self.phases.avg)
         self._prepare_optimizer(trainer, pl_module, next_slot=0)
         return True
+
+    def _stop_if_diverged(self, trainer, pl_module) -> bool:
+        """True once this process has diverged: a step loss (or gradient norm) read so far is NaN or
+        inf. The first such step is reported (mima.training.divergence) and the run stops after
+        this step."""
+        if self.stop is not None and self.stop.diverged_here:
+            return True
+        bad = self.phases.nonfinite
+        if bad is None:
+            return False
+        plan = pl_module.plan
+        self._diverge(trainer, pl_module, plan.position(bad.step).task_index, bad.nonfinite_part(), bad.step)
+        return True
+
+    def _segment_end_diverged(self, trainer, pl_module, step: int, task_index: int) -> bool:
+        """Whether the weights (or the kept moments) a task segment ends with hold a NaN or inf,
+        checked before they are kept, averaged or written to final/; if so the run stops."""
+        key = nonfinite_key(pl_module.encoder.state_dict())
+        what = f"weights ({key})"
+        if key is None and pl_module.hparams.optimizer_state == "keep":
+            key = nonfinite_key(trainer.optimizers[0].state_dict()["state"])
+            what = f"optimiser moments ({key})"
+        if key is None:
+            return False
+        self._diverge(trainer, pl_module, task_index, f"non-finite {what}", step)
+        return True
+
+    def _diverge(self, trainer, pl_module, task_index: int, what: str, step: int) -> None:
+        """Tell the others (the stop protocol) and stop after this step, before the phase's sync."""
+        plan = pl_module.plan
+        phase = plan.position(trainer.global_step - 1).phase  # the phase of the step that just ended
+        report = divergence_report(plan.tasks[task_index], what, step, trainer.global_rank, trainer.world_size)
+        self.stop.diverge(phase, report)
+        trainer.should_stop = True
 
     def _log_step_losses(self, trainer, pl_module) -> None:
         """Each step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its

@@ -18,7 +18,6 @@ from mima.merging import get_method
 from mima.merging.registry import MergeMethod
 
 NO_POINT = point_key({})  # the point of a model without hyperparameters
-GEOMETRY = "pairwise_cos_tau"  # the cell holding a run's task-vector cosines
 
 
 @dataclass
@@ -130,6 +129,7 @@ def finished_run(path: Path) -> RunFolder:
     if not run.is_finished():
         raise MimaError(f"{path}: not a finished run (no final/ task models; resume it with `mima fit ... --ckpt_path last`)")
     run.iterations()  # reads the final models' metadata: a damaged file is named before anything is written
+    run.phase_records()  # the plots read metrics.jsonl at the end: a damaged line is named before the work
     return run
 
 

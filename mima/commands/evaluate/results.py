@@ -9,12 +9,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mima.commands.evaluate.evaluation import GEOMETRY, NO_POINT, Evaluation
+from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, recorded_best
 from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
 from mima.core.run_folder import JOINT, SweepFolder
 from mima.evaluation.accuracy import accuracy_of
-from mima.evaluation.cells import Cell, CellStore, point_key
+from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.evaluation.results import ModelResult, training_setup
 from mima.evaluation.results_files import write_results

@@ -104,6 +104,8 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str
     if team.rank == 0:
         print(f"{title}: {len(evaluation.tasks)} tasks ({', '.join(evaluation.tasks)}); merges: "
               f"{', '.join(method.name for method in evaluation.methods)}; {evaluation.precision}, {team.world} process(es)")
+        for line in store.rejected:  # left out: evaluated again, never published
+            print(f"{title}: {line}")
         if done:
             print(f"{title}: {done} cells already done in {store.cells_dir}; evaluating the rest")
     if torch.cuda.is_available():

@@ -9,12 +9,12 @@ from collections.abc import Callable
 import torch
 
 from mima.commands.evaluate.dealing import Unit
-from mima.commands.evaluate.evaluation import GEOMETRY, NO_POINT, Evaluation
+from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, grid_merges, merge_at, validation_score
 from mima.core.run_folder import JOINT
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings
-from mima.evaluation.cells import Cell, CellStore, point_key
+from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.merging import get_method
 from mima.merging.selection import BestPoint
 from mima.pools import TaskPool, task_pool

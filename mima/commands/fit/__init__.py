@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from mima.config.source import bounded_yaml, check_run_values, config_mapping, read_config_file
 from mima.core.errors import MimaError
 
 
@@ -32,8 +33,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 def check_config_files(argv: Sequence[str]) -> None:
-    """Refuse a `--config FILE` (or -c FILE, --config=FILE) that does not exist. A value that holds
-    YAML itself (jsonargparse takes that too) is left to the parser."""
+    """Refuse a `--config FILE` (or -c FILE, --config=FILE) that does not exist, or that cannot be a run
+    config: too large, not UTF-8, YAML whose aliases expand beyond a config's size, a section that is not
+    a mapping, a number outside its range (mima.config.source). A value that holds YAML itself
+    (jsonargparse takes that too) is checked the same way."""
     for index, word in enumerate(argv):
         if word in ("--config", "-c") and index + 1 < len(argv):
             value = argv[index + 1]
@@ -42,5 +45,12 @@ def check_config_files(argv: Sequence[str]) -> None:
         else:
             continue
         holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
-        if not holds_yaml and not Path(value).exists():
+        if holds_yaml:
+            raw = config_mapping(bounded_yaml(value, "--config"), "--config")
+        elif not Path(value).exists():
             raise MimaError(f"--config {value}: no such file")
+        elif Path(value).is_file():
+            raw = read_config_file(Path(value), f"--config {value}")
+        else:
+            continue  # a folder: the parser names it
+        check_run_values(raw)

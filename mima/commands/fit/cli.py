@@ -35,6 +35,7 @@ from typing_extensions import override
 from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
 from mima.config.defaults import AUTO, CHECKPOINT_EVERY_DEFAULT, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.run_config import config_error_text
+from mima.config.source import check_run_values
 from mima.core.environment import global_rank
 from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
@@ -108,6 +109,9 @@ class MimaCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | dict[str, Any] | Namespace | None) -> None:
         # mima always passes the arguments explicitly (sys.argv also holds `mima fit`).
         self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        # the numbers outside model: and data: (those the settings dataclasses check when they are built),
+        # command-line overrides included, before anything is built
+        check_run_values(self.config.as_dict())
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -266,8 +270,7 @@ class MimaCLI(LightningCLI):
 def set_threads(threads: int | None) -> None:
     if threads is None:
         return
-    if threads < 1:
-        raise MimaError(f"--threads_per_process must be at least 1, got {threads}")
+    # its range (1 .. 4 x the cores) is checked when the options are parsed (mima.config.source.check_run_values)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # also keeps Lightning from choosing its own
     torch.set_num_threads(threads)
 

@@ -1,5 +1,6 @@
 """`mima fit`, run: the run folder prepared, the Trainer fitted, a stop reported (and a SLURM job
-requeued after the warning before its time limit); the options are parsed by mima.commands.fit.cli."""
+requeued after the warning before its time limit), a divergence reported in one line (exit status 2,
+mima.training.divergence); the options are parsed by mima.commands.fit.cli."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 
 from mima.commands.fit.cli import MimaCLI, build_cli
 from mima.core.environment import global_rank, requeue_slurm_job
+from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
+from mima.training.checkpoint_format import STATE_NAME
 from mima.training.determinism import deterministic_refusal
-from mima.training.resume import log_resume
-from mima.training.trainer import run_finished
+from mima.training.resume import log_resume, resolve_resume
+from mima.training.trainer import Launch, run_finished
 
 
 @dataclass
@@ -71,6 +74,12 @@ def _run_fit(cli: MimaCLI) -> FitResult:
         if refusal is None:
             raise
         raise refusal from None
+    stop = getattr(trainer.strategy, "stop", None)
+    if stop is not None and stop.divergence is not None:
+        if not (trainer.is_global_zero and global_rank() == 0):
+            # the line is process 0's (one line per job, not one per process); the others fail without it
+            raise SystemExit(2)
+        raise MimaError(f"{stop.divergence}; {last_good_checkpoint(run, launch)}")
     stopped_by = cli.checkpoint.stopped_by if cli.checkpoint is not None else None
     if stopped_by is not None and trainer.is_global_zero:
         cause = f"signal {stopped_by}" if stopped_by else f"{run.stop_file}"
@@ -83,3 +92,14 @@ def _run_fit(cli: MimaCLI) -> FitResult:
             # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
             requeue_slurm_job("mima fit")
     return FitResult(run_dir, stopped_by)
+
+
+def last_good_checkpoint(run: RunFolder, launch: Launch) -> str:
+    """Where a run that diverged resumes from, said after every process has stopped and written
+    what it saves: the cut `--ckpt_path last` takes (every state on disk was checked before it was
+    written, mima.training.divergence)."""
+    cut, _ = resolve_resume("last", run.path, launch.layout, launch.identity)
+    if cut is None:
+        return "no checkpoint was saved before it (nothing non-finite was written; --ckpt_path last starts afresh)"
+    steps = ", ".join(map(str, sorted({int(STATE_NAME.match(path.name).group(2)) for path in cut.values()})))
+    return f"last good checkpoint: process steps {steps} in {run.checkpoints_dir} (--ckpt_path last resumes from it)"

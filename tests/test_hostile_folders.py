@@ -1,0 +1,120 @@
+"""Custom image folders and configs that would hang or crash the commands that read them: a FIFO
+(or a link to one) named like an image, a class folder whose name is not UTF-8, and prompt templates
+that str.format cannot fill with one class name. Each stops the command with one line naming the
+culprit; none hangs and none reaches training."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mima.core.errors import MimaError
+from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
+from mima.data.tasks import LoadOptions
+from tests.helpers import assert_one_line, class_tree, cli, custom_task_fit_config, run_command
+
+CLASSES = ("circle", "square")
+
+
+def _splits_config(tmp_path: Path, task: Path, **task_options) -> Path:
+    """A `mima data splits` config of the custom task `task` alone."""
+    config = tmp_path / "splits.yaml"
+    data = {"suite": None, "custom_tasks": [{"name": "shapes", "path": str(task), **task_options}]}
+    config.write_text(yaml.safe_dump({"model": {"clip": "embedded:tiny-digits"}, "data": data}))
+    return config
+
+
+def _task(tmp_path: Path) -> Path:
+    task = tmp_path / "shapes"
+    class_tree(task, CLASSES, per_class=10)
+    return task
+
+
+# -------------------------------------------------------------------------- files that are not files
+@pytest.mark.parametrize("through_link", [False, True], ids=["fifo", "link-to-fifo"])
+def test_a_fifo_named_like_an_image_is_refused_by_name_without_opening_it(tmp_path, through_link):
+    task = _task(tmp_path)
+    fifo = task / CLASSES[0] / "zz.png"
+    if through_link:  # the pipe lives outside the task; the task holds a link to it
+        os.mkfifo(tmp_path / "pipe")
+        fifo.symlink_to(tmp_path / "pipe")
+    else:
+        os.mkfifo(fifo)
+    out = tmp_path / "splits"
+    # in a process of its own with a timeout: opening the FIFO would wait for a writer forever
+    result = run_command(["data", "splits", "--config", _splits_config(tmp_path, task, bad_images="skip"),
+                          "--out", out], timeout=120)
+    line = assert_one_line(result.returncode, result.stderr, str(fifo), "is a FIFO (named pipe)", "not an image file")
+    assert ("through a symbolic link" in line) == through_link
+    assert not out.exists()
+
+
+def test_a_fifo_as_classnames_file_is_refused_without_reading_it(tmp_path):
+    task = _task(tmp_path)
+    os.mkfifo(tmp_path / "names.txt")
+    with pytest.raises(MimaError, match=r"^data.custom_tasks 'shapes': classnames_file .*names.txt: not a regular file$"):
+        folder_task_spec(FolderTask("shapes", str(task), classnames_file=str(tmp_path / "names.txt")))
+
+
+def test_files_that_are_not_images_by_name_are_left_alone(tmp_path):
+    """Only names with an image extension are listed, so a pipe named otherwise changes nothing."""
+    task = _task(tmp_path)
+    os.mkfifo(task / CLASSES[0] / "notes.fifo")
+    spec = folder_task_spec(FolderTask("shapes", str(task)))
+    data = spec.load(LoadOptions(image_size=8))
+    assert spec.classnames == CLASSES and (len(data.train), len(data.val), len(data.test)) == (15, 1, 4)
+
+
+# -------------------------------------------------------------------------------- non-UTF-8 names
+def test_a_class_folder_whose_name_is_not_utf8_is_one_line_with_its_bytes(tmp_path, capfd):
+    task = _task(tmp_path)
+    os.mkdir(os.fsencode(task) + b"/caf\xe9")  # Latin-1 "café": not valid UTF-8
+    class_tree(Path(os.fsdecode(os.fsencode(task) + b"/caf\xe9")), [""], per_class=10)
+    outcome = cli(["data", "splits", "--config", _splits_config(tmp_path, task), "--out", tmp_path / "splits"], capfd)
+    line = assert_one_line(outcome.code, outcome.err, f"{task}: folder name b'caf\\xe9' is not valid UTF-8; rename it")
+    assert "\udce9" not in line and not (tmp_path / "splits").exists()
+
+
+# ------------------------------------------------------------------------------------- templates
+BAD_TEMPLATES = {
+    "a photo of a {x} {}.": "(KeyError: 'x')",
+    "a photo of a {1} {}.": "(IndexError: Replacement index 1 out of range",
+    "a photo of a { {}.": "(ValueError: unexpected '{' in field name)",
+}
+
+
+@pytest.mark.parametrize("template", list(BAD_TEMPLATES), ids=["name", "index", "lone-brace"])
+def test_a_template_format_cannot_fill_stops_fit_before_training(tmp_path, small_clip, capfd, template):
+    task = _task(tmp_path)
+    config = custom_task_fit_config(tmp_path, small_clip, task, templates=["a photo of a {}.", template])
+    outcome = cli(["fit", "--config", config, "--out", tmp_path / "run"], capfd)
+    assert_one_line(outcome.code, outcome.err, f"data.custom_tasks 'stripes': template {template!r} cannot be filled",
+                    BAD_TEMPLATES[template])
+    assert not (tmp_path / "run").exists()  # no run folder: nothing was trained
+
+
+@pytest.mark.parametrize(("templates", "problem"), [
+    (["a photo of a {0}."], "has 1 replacement fields ({0}) where one plain '{}' is needed"),
+    (["a photo of a {!r}."], "has 1 replacement fields ({!r}) where one plain '{}' is needed"),
+    (["a photo."], "has 0 replacement fields (none) where one plain '{}' is needed"),
+    (["a photo of a {} and a {}."], "cannot be filled with a class name (IndexError"),
+    (["a photo of a {} }."], "cannot be filled with a class name (ValueError: Single '}'"),
+    ("a photo of a {}.", "templates must be a list of strings"),
+    ([], "templates is empty"),
+], ids=["index-0", "conversion", "none", "two", "lone-close", "string", "empty"])
+def test_templates_are_checked_as_the_config_is_read(templates, problem):
+    with pytest.raises(MimaError) as error:
+        as_folder_task({"name": "shapes", "path": "/nonexistent", "templates": templates})
+    assert str(error.value).startswith("data.custom_tasks 'shapes': ") and problem in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_good_templates_give_the_prompts_heads_are_built_from(tmp_path):
+    task = _task(tmp_path)
+    templates = ["a photo of a {}.", "{{literal braces}} around {}"]
+    spec = folder_task_spec(as_folder_task({"name": "shapes", "path": str(task), "templates": templates}))
+    assert spec.templates == tuple(templates)
+    assert [t.format(spec.classnames[1]) for t in spec.templates] == ["a photo of a square.", "{literal braces} around square"]
