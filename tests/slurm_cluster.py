@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class SlurmCluster:
     env: dict[str, str] = field(default_factory=dict)
     pid_files: list[Path] = field(default_factory=list)
     started_munged: bool = False
+    spool: Path | None = None  # the slurmd spool folders, removed by stop()
 
     def run(self, *command: str, check: bool = True, extra_env: dict[str, str] | None = None,
             **kwargs) -> subprocess.CompletedProcess:
@@ -65,6 +67,8 @@ class SlurmCluster:
     def stop(self) -> None:
         pids = [int(pid_file.read_text().strip()) for pid_file in self.pid_files if pid_file.exists()]
         _terminate(pids)
+        if self.spool is not None:
+            shutil.rmtree(self.spool, ignore_errors=True)
 
 
 def _terminate(pids: list[int], grace: float = 10.0) -> None:
@@ -114,6 +118,10 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
             for name in node_names
         ]
     conf = folder / "slurm.conf"
+    # slurmstepd makes Unix sockets in the spool folder (NODE_JOB.STEP, 108 bytes at most for the whole
+    # path): under pytest's numbered, per-worker tmp_path a long test name went over by one byte, so the
+    # spool goes to a short folder of its own
+    spool = Path(tempfile.mkdtemp(prefix="mima-slurm-", dir="/tmp"))
     conf.write_text(
         "\n".join(
             [
@@ -136,7 +144,7 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
                 f"SlurmctldPort={free_port()}",
                 f"SlurmdPort={free_port()}",
                 f"StateSaveLocation={folder}/state",
-                f"SlurmdSpoolDir={folder}/spool-%n",
+                f"SlurmdSpoolDir={spool}/spool-%n",
                 f"SlurmctldPidFile={folder}/slurmctld.pid",
                 f"SlurmdPidFile={folder}/slurmd-%n.pid",
                 f"SlurmctldLogFile={folder}/slurmctld.log",
@@ -149,12 +157,12 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
     )
     (folder / "state").mkdir(exist_ok=True)
     for name in node_names:
-        (folder / f"spool-{name}").mkdir(exist_ok=True)
+        (spool / f"spool-{name}").mkdir(exist_ok=True)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     leaked = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
     for variable in [v for v in env if (v.startswith("SLURM_") and v != "SLURM_CONF") or v in leaked]:
         env.pop(variable)  # jobs must not inherit an outer job's or an earlier fit's launch settings
-    cluster = SlurmCluster(folder, env)
+    cluster = SlurmCluster(folder, env, spool=spool)
 
     if not _munge_works(env):
         Path("/run/munge").mkdir(parents=True, exist_ok=True)

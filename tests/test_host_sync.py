@@ -32,12 +32,14 @@ READS = ("item", "__float__", "tolist", "cpu")
 NOT_HOST_DEVICE = os.sep + os.path.join("torch", "optim") + os.sep
 
 # What each synchronisation point may read, and why:
-#   a segment end: the pending step losses, one stacked tensor (`tolist`);
+#   a segment end: the pending step losses, one stacked tensor (`tolist`), and the finite checks of
+#     mima.training.divergence, one read each: the task's weights and kept moments before they are
+#     kept, and again before the checkpoint that segment end writes (`tolist`, at most 4);
 #   a phase end: the two Gram matrices to the CPU (`cpu`), their mean cosines (`float`, 2) and
 #     cosine matrices (`tolist`, 2) for metrics.jsonl: 6;
 #   a logging interval: the pending step losses (1) and each metric the sync logged through
 #     Lightning (mean_cos_tau, mean_cos_delta), which Lightning converts with `item` when it writes: 3.
-READS_PER_SEGMENT_END = 1
+READS_PER_SEGMENT_END = 1 + 4
 READS_PER_PHASE_END = 6
 READS_PER_LOGGING_INTERVAL = 3
 
@@ -90,7 +92,7 @@ def allowed_reads(steps: int, iterations: int, tasks: int, log_every_n_steps: in
 
 @pytest.mark.slow  # a short `mima fit`: ~25-45 s on 2 shared cores
 def test_the_step_path_reads_device_values_only_at_sync_points(tmp_path, small_clip):
-    steps, iterations, tasks, every = 24, 2, ["rot90", "mirror"], 5
+    steps, iterations, tasks, every = 24, 2, ["rot90", "mirror"], 10
     counts_file = tmp_path / "reads.json"
     config = fit_config(tmp_path / "run", small_clip, tasks, steps=steps, iterations=iterations)
     # the progress bar, the loggers and checkpoints on, as in a real run (fit_config turns the first two off)

@@ -123,7 +123,7 @@ def test_footprint_sizes_match_the_files_and_models_they_describe(tmp_path, clip
 def test_fit_refuses_a_run_the_plan_shows_cannot_fit(tmp_path, small_clip, capfd, monkeypatch):
     """A batch whose activations exceed this machine's memory: one line, nothing written; the plan first."""
     out = tmp_path / "run"
-    config = config_file(tmp_path, small_clip, batch_size=200_000_000)
+    config = config_file(tmp_path, small_clip, batch_size=1_000_000)  # within data.batch_size's range, beyond any host
     done = mima("fit", "--config", str(config), "--out", str(out), cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
     assert done.code == 2
     errors = done.err.strip().splitlines()
