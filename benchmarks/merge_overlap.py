@@ -71,7 +71,8 @@ def merge(base: Path, models: list[Path], output: Path, prefetch: bool, threads:
     """`mima merge --method task_arithmetic` as the command runs it, with or without reading ahead (and
     on `threads` intra-op threads where given)."""
     from mima.merging import get_method
-    from mima.merging.engine import intra_op_threads, merge_to_file, open_inputs
+    from mima.core.threads import intra_op_threads
+    from mima.merging.engine import merge_to_file, open_inputs
 
     method = get_method("task_arithmetic")
     with open_inputs(models, base, prefetch=prefetch) as inputs, intra_op_threads(threads):

@@ -30,6 +30,7 @@ import torch
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import check_compatible
+from mima.core.threads import intra_op_threads
 from mima.core.tensor_files import GroupPrefetcher, SafetensorsReader, SafetensorsWriter, TensorInfo
 from mima.merging.common import all_finite
 from mima.merging.registry import DataFreeMerge, MergeMethod
@@ -151,20 +152,6 @@ def arithmetic_threads(method: MergeMethod, inputs: MergeInputs, device: torch.d
     if not inputs.prefetching or not method.entrywise or (device is not None and device.type != "cpu"):
         return None
     return max(1, torch.get_num_threads() - 1)
-
-
-@contextlib.contextmanager
-def intra_op_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` for a while (unchanged for None), then restored."""
-    if count is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Sequence[str], metadata, overwrite=False,

@@ -43,6 +43,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import importlib
@@ -109,7 +110,7 @@ def input_name(model: TensorMap, fallback: str) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MergeMethod:
+class MergeMethod(abc.ABC):
     """A registered merge strategy, one of four kinds (the subclasses below: StreamingMerge, ScaledMerge,
     PerTaskMerge, DataMerge), each holding the functions of its kind. What every kind shares: its name,
     paper and summary, its hyperparameters as declared in mima.merging.catalogue.STRATEGIES (`defaults`,
@@ -241,6 +242,7 @@ class MergeMethod:
             raise MimaError(f"merge method '{self.name}' keeps one model per task; use its index and reconstruct")
         raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
 
+    @abc.abstractmethod
     def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
               device: torch.device | str | None = None, **given) -> MergeOutput:
         """The merged model (for per-task methods: their index) with the strategy's notes; checked first.
@@ -250,7 +252,6 @@ class MergeMethod:
         data-free or per-task strategy computes, the result coming back on the CPU; data-dependent
         strategies compute where their inputs and the pool are.
         """
-        raise NotImplementedError
 
     def __call__(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None,
                  allow_non_finite: bool = False, device: torch.device | str | None = None, **given) -> StateDict:
@@ -272,10 +273,10 @@ class DataFreeMerge(MergeMethod):
     """A merge computed key by key from the inputs alone, so it streams (the file engine writes each
     merged tensor as it comes): StreamingMerge and ScaledMerge."""
 
+    @abc.abstractmethod
     def run(self, models: Sequence[TensorMap], base: TensorMap | None, values: Mapping[str, object]) -> Iterator[Item]:
         """The merge, one (key, tensor) at a time, of inputs and a full setting that `check` already
         passed; `stream` is the checked entry point, SVC runs its inner merge so."""
-        raise NotImplementedError
 
     def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
                device: torch.device | str | None = None, **given) -> Iterator[Item]:

@@ -12,20 +12,11 @@ fast as one on a busy machine.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import torch
+from mima.core.threads import intra_op_threads
 
 CACHE_BUILD_THREADS = 2
 
 
-@contextlib.contextmanager
-def fixed_threads(count: int = CACHE_BUILD_THREADS) -> Iterator[None]:
+def fixed_threads(count: int = CACHE_BUILD_THREADS):
     """torch computes on `count` intra-op threads inside the block; the caller's count is restored after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    return intra_op_threads(count)
