@@ -54,12 +54,18 @@ FOUR = ["rot90", "rot180", "rot270", "mirror"]
 STEPS, ITERATIONS = 24, 3  # K = 8
 
 
+# The rendezvous and collective timeout of the test jobs: long enough that four processes meet on a
+# 2-core machine running other jobs (at 60 s, a 4-process rendezvous timed out at load 6); tests of a
+# dead process pass a shorter one, which the job must fail within.
+JOB_COLLECTIVE_TIMEOUT_S = 300
+
+
 def write_config(path: Path, clip: str, tasks: list[str], devices: int, callbacks=(), strategy=None,
-                 model: dict | None = None) -> Path:
+                 model: dict | None = None, collective_timeout: int = JOB_COLLECTIVE_TIMEOUT_S) -> Path:
     config = {
         "seed_everything": 0,
         "threads_per_process": 1,
-        "collective_timeout": 60,
+        "collective_timeout": collective_timeout,
         "model": {"clip": clip, "steps": STEPS, "iterations": ITERATIONS, "lr": 1e-3, "warmup_steps": 2, **(model or {})},
         "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
         "trainer": {
@@ -91,7 +97,7 @@ def job_environment() -> dict[str, str]:
 IN_PROCESS_CALLBACKS = {"TouchStopAtStep", "RecordStateWrites", "RecordMomentsOnDisk"}
 
 
-def run_job(config: Path, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_job(config: Path, out: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`mima fit --config CONFIG --out OUT EXTRA...`, as the job a user starts.
 
     A one-process job runs `mima.cli.main` in this process: the same code after the interpreter has

@@ -61,7 +61,7 @@ ERRORS = [
     ("prefetch", "mima prefetch: error: the following arguments are required: --config (see mima prefetch --help)"),
     ("merge --method ties", "mima merge: error: the following arguments are required: --models, --output (see mima merge --help)"),
     ("merge --method ties --models a b --output m --lamda 2",
-     "mima merge: error: unrecognized arguments: --lamda 2 (see mima merge --help)"),
+     "mima merge: error: unrecognized option --lamda; did you mean --lam? (see mima merge --help)"),
     ("merge --method tie --models a b --output m", "mima merge: error: unknown merge method 'tie' (known: "
      + ", ".join(sorted(STRATEGIES)) + ")"),
     ("evaluate runs/a", "mima evaluate: error: the following arguments are required: --out (see mima evaluate --help)"),

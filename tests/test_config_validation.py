@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mima.config.source import MAX_CONFIG_BYTES, MAX_CONFIG_NODES, read_config_file
+from mima.config.source import read_config_file
+from mima.core.bounded_yaml import MAX_CONFIG_BYTES, MAX_CONFIG_NODES
 from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
 from mima.core.settings import LIGHTNING_SEED_MAX, SEED_MAX, SYNC_LAMBDA_MAX, check_value
 from tests.conftest import fit_config
 from tests.helpers import assert_one_line, cli
@@ -192,3 +194,13 @@ def test_the_bounds_themselves_pass_and_one_beyond_fails():
         check_value("model.sync_merge_args.mask_lam", [0.1, 50])
     with pytest.raises(MimaError, match="is not an integer"):
         check_value("data.batch_size", True)
+
+
+def test_a_run_folders_config_is_read_with_the_same_bounds(tmp_path):
+    """A run folder handed to merge, evaluate or report reads its config.yaml through the same bounded
+    reader as --config: an alias bomb there is refused in one line as fast."""
+    (tmp_path / "config.yaml").write_text(ALIAS_BOMB)
+    start = time.perf_counter()
+    with pytest.raises(MimaError, match=f"config.yaml: its aliases expand to .* at most {MAX_CONFIG_NODES}"):
+        RunFolder(tmp_path).config_dict()
+    assert time.perf_counter() - start < 0.5

@@ -281,7 +281,7 @@ def test_a_renamed_or_abbreviated_option_in_an_example_fails():
 
     renamed = Example(example.where, "", tuple(w.replace("--benchmark", "--benchmarks") for w in example.words), True)
     problem = problem_of(renamed)
-    assert problem == "unrecognized arguments: --benchmarks 8 (see mima data check --help)"
+    assert problem == "unrecognized option --benchmarks; did you mean --benchmark? (see mima data check --help)"
     abbreviated = Example(example.where, "", tuple(w.replace("--benchmark", "--bench") for w in example.words), True)
     assert problem_of(abbreviated) == "--bench: not an option as spelled (abbreviated or renamed?)"
     removed = Example(example.where, "", (*example.words, "--tasks", "Cars"), True)  # --tasks excludes --benchmark
@@ -348,5 +348,5 @@ def test_every_documented_fit_command_parses():
     *documented, real_problem, renamed_problem, abbreviated_problem = checked
     assert _report([(ex, found) for ex, found in zip(fits, documented) if found]) == []
     assert real_problem is None
-    assert renamed_problem == "config: unrecognized arguments: --model.iters 8"
+    assert renamed_problem == "config: unrecognized arguments: --model.iters 8; did you mean --model.iterations?"
     assert abbreviated_problem == "--model.iteration: not an option as spelled (abbreviated or renamed?)"

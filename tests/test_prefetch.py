@@ -224,7 +224,7 @@ def test_prefetch_of_a_clip_suite_config_without_a_data_root_names_the_option(tm
     [
         (["prefetch", "--config", "no/such/config.yaml"], "--config no/such/config.yaml: no such file or run folder"),
         (["prefetch"], "the following arguments are required: --config"),
-        (["prefetch", "--config", "x.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+        (["prefetch", "--config", "x.yaml", "--bogus"], "unrecognized option --bogus"),
     ],
 )
 def test_prefetch_usage_errors_are_one_line(argv, fragment, capsys):

@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import errno
+import itertools
 import os
 import re
+import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -19,10 +23,99 @@ from mima.core.errors import MimaError
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the option (not the whole usage text)."""
+    """argparse, but a usage error is one line naming the option (not the whole usage text), and an
+    unknown long option is refused before anything else is checked, with the nearest known one
+    ("unrecognized option --methd; did you mean --method?"): argparse would first name the required
+    options the typo left out. The options are recorded as they are added (argparse keeps them only
+    in private attributes), also those added through a group."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.long_options: list[str] = []  # every --option added, in order
+        self.help_options: set[str] = set()  # those that print the help (--help asks for help, not a check)
+        self.has_subcommands = False  # a subcommand's own parser checks its options
+        super().__init__(*args, **kwargs)  # adds -h/--help through add_argument
 
     def error(self, message: str):  # type: ignore[override]
         raise MimaError(f"{message} (see {self.prog} --help)")
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.record_options(action, kwargs)
+        return action
+
+    def add_argument_group(self, *args, **kwargs):
+        return self.recording(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return self.recording(super().add_mutually_exclusive_group(**kwargs))
+
+    def add_subparsers(self, **kwargs):
+        self.has_subcommands = True
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.has_subcommands:
+            self.refuse_unknown_options(sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+    def record_options(self, action: argparse.Action, kwargs: dict) -> None:
+        names = [name for name in action.option_strings if name.startswith("--")]
+        self.long_options += names
+        if kwargs.get("action") == "help":
+            self.help_options.update(action.option_strings)
+
+    def recording(self, group):
+        """GROUP (an argument group or a mutually exclusive one), its add_argument recording the options
+        it adds here too, as do the groups made from it."""
+        add_argument, add_exclusive = group.add_argument, group.add_mutually_exclusive_group
+
+        def recorded_add_argument(*args, **kwargs) -> argparse.Action:
+            action = add_argument(*args, **kwargs)
+            self.record_options(action, kwargs)
+            return action
+
+        group.add_argument = recorded_add_argument
+        group.add_mutually_exclusive_group = lambda **kwargs: self.recording(add_exclusive(**kwargs))
+        return group
+
+    def refuse_unknown_options(self, tokens: Sequence[str]) -> None:
+        """One line for the first --option of TOKENS (up to a bare --) that is neither known nor the
+        abbreviation argparse accepts (the start of some known option; the start of several stays
+        argparse's "ambiguous option"); none when help is asked for, as argparse prints it then."""
+        options = [token.split("=", 1)[0] for token in itertools.takewhile(lambda token: token != "--", tokens)
+                   if token.startswith("-")]  # a negative number too: it names no option
+        if any(self.resolved(name) & self.help_options for name in options):
+            return
+        for name in (name for name in options if name.startswith("--")):
+            if not any(option.startswith(name) for option in self.long_options):  # a known one starts with itself
+                suggestion = suggest_option(name, self.long_options)
+                self.error(f"unrecognized option {name}" + (f"; did you mean {suggestion}?" if suggestion else ""))
+
+    def resolved(self, name: str) -> set[str]:
+        """The option NAME stands for: itself when known, else the one option it abbreviates (none when
+        it starts none, or several)."""
+        if name in self.long_options or name in self.help_options:
+            return {name}
+        if not name.startswith("--"):
+            return set()
+        starting = {option for option in self.long_options if option.startswith(name)}
+        return starting if len(starting) == 1 else set()
+
+
+SUGGESTION_CUTOFF = 0.6  # difflib's similarity ratio: --methd and --method are 0.91, --foo and --out 0.33
+
+
+def suggest_option(word: str, known: Iterable[str]) -> str | None:
+    """The known option nearest to WORD, a mistyped option ("--methd", or "--methd=ties": the part
+    before "="), or None when none is close; compared without their leading dashes, which every
+    option shares. Of the close ones, the one sharing the longest start with WORD (a shortened name,
+    --model.iters, means --model.iterations, not the as similar --model.steps), then the most similar."""
+    name = word.split("=", 1)[0].lstrip("-")
+    candidates = {option.lstrip("-"): option for option in known}
+    close = difflib.get_close_matches(name, list(candidates), n=max(len(candidates), 1), cutoff=SUGGESTION_CUTOFF)
+    if not close:
+        return None
+    return candidates[max(close, key=lambda option: len(os.path.commonprefix([name, option])))]  # max: the first of ties
 
 
 Options = TypeVar("Options")

@@ -156,6 +156,23 @@ class ModelSettings:
                                 f"longest phase would be {self.phase_ratio}^{self.iterations - 1} times the shortest, more "
                                 f"than {STEPS_MAX} steps; choose a ratio nearer 1 or fewer phases")
 
+    def schedule_notes(self, tasks: list[str]) -> list[str]:
+        """What the learning-rate schedule does that a user may not expect: a warm-up longer than the
+        span it warms up (the task's S_t with `schedule_scope: run`, a phase's K with `phase`) is cut to
+        that span (mima.training.lr_schedule), so the rate reaches model.lr only at the span's last step."""
+        if self.mode == JOINT or self.warmup_steps <= 1:
+            return []
+        lengths = self.task_lengths(tasks)
+        if self.schedule_scope == "run":
+            span, what = min(sum(task) for task in lengths), "model.steps (S, the shortest task's)"
+        else:
+            span, what = min(min(task) for task in lengths), "a phase (K, the shortest)"
+        if self.warmup_steps <= span:
+            return []
+        return [f"model.warmup_steps={self.warmup_steps} is longer than {what} = {span} steps: the warm-up is cut to "
+                f"{span} steps, so the learning rate reaches model.lr={self.lr:g} only at the last step; lower "
+                f"model.warmup_steps (e.g. {max(1, span // 10)}, a tenth) if that is not what you want"]
+
     def task_lengths(self, tasks: list[str]) -> tuple[tuple[int, ...], ...]:
         """K_1 .. K_N of each of the run's `tasks` (one budget for all, or the map's S_t)."""
         if isinstance(self.steps, dict) and not self.steps:

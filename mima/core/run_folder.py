@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
+from mima.core.bounded_yaml import read_bounded_yaml
 from mima.core.errors import MimaError
 from mima.core.files import read_json, read_json_lines, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.run_lock import LOCK_NAME
@@ -378,15 +378,9 @@ class SweepFolder:
 
 
 def read_config_mapping(path: Path, name: str) -> dict:
-    """A YAML run config as a plain mapping; every way it can be unreadable is one line naming `name`."""
-    try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise MimaError(f"{name}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    except UnicodeDecodeError:
-        raise MimaError(f"{name}: not valid YAML (not a text file)") from None
-    except OSError as exc:
-        raise MimaError(f"{name}: cannot be read ({exc.strerror or exc})") from None
+    """A YAML run config as a plain mapping (read with bounds: mima.core.bounded_yaml); every way it
+    can be unreadable is one line naming `name`."""
+    loaded = read_bounded_yaml(path, name) or {}
     if not isinstance(loaded, dict):
         raise MimaError(f"{name}: expected a mapping with model:, data:, trainer: sections")
     return loaded

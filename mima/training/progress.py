@@ -5,14 +5,21 @@ callback at logging intervals and segment ends), not one logged with `self.log(p
 Lightning's bars convert such values to floats at every step, which makes the host wait for the
 device at every step. A bar is given the process's PhaseState when it is made; without one (the
 joint baseline, which has no phases) it shows no loss.
+
+When the output is not a terminal (a SLURM log file, a pipe), a bar's redrawing leaves fragments and
+control characters; `MimaLogLines` writes plain lines instead: one at every task segment's end and at
+most one per `interval_s` in between.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 from mima.training.phase_state import PhaseState
@@ -60,3 +67,67 @@ class MimaRichProgressBar(RichProgressBar):
     @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
         return mima_metrics(super().get_metrics(trainer, pl_module), trainer, pl_module, self.phase_state)
+
+
+class MimaLogLines(ProgressBar):
+    """Progress as plain lines, for output that is not a terminal: process 0 writes one line at each
+    of its task segments' end and at most one per `interval_s` seconds in between, e.g.
+    `mima fit: phase 2/4, rot90 80/80 steps; process step 160/320 (50 %), loss 0.412, 41.3 steps/s`.
+    `phase_state`: where the loss shown is read (None: no loss, the joint baseline); `clock` and
+    `stream` are replaceable for tests."""
+
+    def __init__(self, phase_state: PhaseState | None = None, interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, stream: TextIO | None = None) -> None:
+        super().__init__()
+        self.phase_state, self.interval_s, self.clock, self.stream = phase_state, interval_s, clock, stream
+        self.enabled = True
+        self.started_at = self.last_line_at = 0.0
+        self.started_step = self.shown_step = 0
+
+    @override
+    def disable(self) -> None:
+        self.enabled = False
+
+    @override
+    def enable(self) -> None:
+        self.enabled = True
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started_at = self.last_line_at = self.clock()
+        self.started_step = self.shown_step = trainer.global_step  # a resumed run starts past 0
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step  # optimiser steps done (a batch of an accumulation does not count)
+        plan = getattr(pl_module, "plan", None)
+        if not self.enabled or step == self.shown_step or step <= 0:
+            return
+        now = self.clock()
+        segment_end = plan is not None and (step >= plan.local_steps or _segment(plan, step) != _segment(plan, step - 1))
+        if segment_end or now - self.last_line_at >= self.interval_s:
+            self.shown_step, self.last_line_at = step, now
+            print(self.line(trainer, pl_module, step, now), file=self.stream or sys.stdout, flush=True)
+
+    def line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, now: float) -> str:
+        """Where the process is after `step` optimiser steps, its newest loss and its rate since the start."""
+        plan = getattr(pl_module, "plan", None)
+        total = plan.local_steps if plan is not None else trainer.estimated_stepping_batches
+        where = ""
+        if plan is not None:
+            position = plan.position(min(step, plan.local_steps) - 1)
+            where = (f"phase {position.phase + 1}/{plan.iterations}, {plan.tasks[position.task_index]} "
+                     f"{position.step_in_phase + 1}/{position.phase_length} steps; ")
+        facts = [f"process step {step}/{total} ({100 * step / total:.0f} %)"]
+        loss = self.phase_state.shown_loss if self.phase_state is not None else None
+        if loss is not None:
+            facts.append(f"loss {loss:.4g}")
+        elapsed = now - self.started_at
+        if elapsed > 0:
+            facts.append(f"{(step - self.started_step) / elapsed:.1f} steps/s")
+        return f"mima fit: {where}{', '.join(facts)}"
+
+def _segment(plan, step: int) -> tuple[int, int]:
+    position = plan.position(step)
+    return position.phase, position.slot

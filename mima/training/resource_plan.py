@@ -436,7 +436,9 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
         footprint = measure_footprint(settings.clip, precision, True)
     inputs = replace(inputs, grad_checkpointing=bool(checkpointing.value),
                      choices=(("grad_checkpointing", checkpointing), ("checkpoint_every", schedule)))
-    return make_plan(inputs, footprint), footprint, inputs
+    plan = make_plan(inputs, footprint)
+    plan.notes += settings.schedule_notes(tasks)  # printed by `mima plan` and at `mima fit` start alike
+    return plan, footprint, inputs
 
 
 def trains_on_gpu(trainer) -> bool:

@@ -36,13 +36,13 @@ import torch
 
 from mima.commands.evaluate.dealing import deal, plan_units
 from mima.commands.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
+from mima.commands.evaluate.progress import ObservedCellStore, share_progress
 from mima.commands.evaluate.results import build_results, publish_results, selection_extra
 from mima.commands.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, wait_for_session
 from mima.commands.evaluate.worker import Worker
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
-from mima.evaluation.cells import CellStore
 from mima.evaluation.device import claim_device
 from mima.evaluation.results import ModelResult
 from mima.merging.engine import merge_device as resolve_merge_device
@@ -91,7 +91,7 @@ def evaluate_runs(
 def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str, extra: dict | None, started: float,
               team: Team, device: torch.device, settings: EvalSettings,
               merge_device: torch.device) -> list[ModelResult] | None:
-    store = CellStore(out_dir, team.session, team.rank)
+    store = ObservedCellStore(out_dir, team.session, team.rank)  # each cell it records moves the progress
     if team.rank == 0:
         if store.read_manifest() is None and not overwrite:
             SweepFolder(out_dir).prepare(False)  # results of an evaluation without cells: refused as before
@@ -111,15 +111,20 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # evaluation tolerates TF32's 10-bit mantissa matmuls
         torch.backends.cudnn.allow_tf32 = True
+    progress = share_progress(evaluation, mine, store, title, team.rank)  # only process 0 shows it
+    store.on_record = progress.recorded
     with StopRequests(team) as stop:
         try:
             worker = Worker(evaluation, store, stop.requested, settings, device, merge_device)
             try:
-                for unit in mine:
+                for index, unit in enumerate(mine):
                     if stop.requested():
                         raise EvaluationStopped()
+                    progress.start(index)
                     worker.run(unit)
+                    progress.finish(index)
             finally:
+                progress.close()
                 worker.close()  # its loader workers end before this process waits for the others
             finish_rank(store, team, stop)
         except EvaluationStopped:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -29,9 +31,11 @@ import torch
 import yaml
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from mima.commands.common import suggest_option
 from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
 from mima.config.defaults import AUTO, CHECKPOINT_EVERY_DEFAULT, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.run_config import config_error_text
@@ -48,6 +52,7 @@ from mima.training.module import MimaModule
 from mima.training.phase_state import PhaseState
 from mima.training.plan_choices import choose_checkpoint_every
 from mima.training.preemption import StopAgreement
+from mima.training.progress import MimaLogLines
 from mima.training.rank_logger import rank_loggers
 from mima.training.resource_plan import trains_on_gpu
 from mima.training.resume import ResumeCut, RunStart, resolve_resume, run_identity
@@ -61,6 +66,9 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "devices": DEVICES_DEFAULT,
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 10,
+    # Lightning's table of the module's parameters and FLOPs (0 for MIMA's encoder): `mima plan`, printed
+    # at start, says what the run holds
+    "enable_model_summary": False,
     "use_distributed_sampler": False,  # the PhaseBatchSampler decides every batch
 }
 
@@ -108,7 +116,10 @@ class MimaCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | dict[str, Any] | Namespace | None) -> None:
         # mima always passes the arguments explicitly (sys.argv also holds `mima fit`).
-        self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        try:
+            self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        except ArgumentError as exc:
+            raise MimaError(f"config: {config_error_text(exc)}{typo_hint(str(exc), parser)}") from None
         # the numbers outside model: and data: (those the settings dataclasses check when they are built),
         # command-line overrides included, before anything is built
         check_run_values(self.config.as_dict())
@@ -183,7 +194,10 @@ class MimaCLI(LightningCLI):
             sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
             mima_callbacks = [MimaSyncCallback(phases, stop, sync_merge=sync_merge)]
         user_callbacks = list(self.config_init["trainer"].get("callbacks") or [])
-        kwargs["callbacks"] = user_callbacks + mima_callbacks + ([self.checkpoint] if self.checkpoint else [])
+        # after the sync callback, so that a segment's line shows the loss it has just read
+        log_lines = [MimaLogLines(None if self.model.hparams.mode == JOINT else phases)] if wants_log_lines(
+            trainer_config, user_callbacks) else []
+        kwargs["callbacks"] = user_callbacks + mima_callbacks + log_lines + ([self.checkpoint] if self.checkpoint else [])
         return super().instantiate_trainer(**kwargs)
 
     def num_tasks(self) -> int:
@@ -267,6 +281,25 @@ class MimaCLI(LightningCLI):
         return changes
 
 
+def typo_hint(message: str, parser: LightningArgumentParser) -> str:
+    """"; did you mean --model.iterations?" for the first unrecognized option of a parser error that
+    has a close match among the options (every key of the config: the parser's defaults), else ""."""
+    unknown = re.search(r"unrecognized arguments: (--[^\s=]+)", message)
+    if unknown is None:
+        return ""
+    known = [f"--{key}" for key in parser.get_defaults().keys()]
+    match = suggest_option(unknown.group(1), known)
+    return f"; did you mean {match}?" if match else ""
+
+
+def wants_log_lines(trainer_config: Mapping[str, Any], user_callbacks: list) -> bool:
+    """Plain progress lines instead of a redrawn bar: when the output is not a terminal (a SLURM log,
+    a pipe), unless the bar is switched off or the config brings its own."""
+    if trainer_config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in user_callbacks):
+        return False
+    return not sys.stdout.isatty()
+
+
 def set_threads(threads: int | None) -> None:
     if threads is None:
         return
@@ -333,8 +366,12 @@ def parse_fit(args: list[str]):
 
 
 def _quiet_lightning_notes() -> None:
-    # "Seed set to N" would precede a one-line config error; the seed is in config.yaml anyway.
-    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    # Lightning's notes at INFO level ("GPU available: ...", "Seed set to N", "Initializing distributed",
+    # its logger advertisement, "`Trainer.fit` stopped: `max_epochs=1` reached") describe its own
+    # machinery, not the run: mima prints the plan, the layout and the run's end in its own words.
+    # Its warnings (and errors) still show.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropExpectedNotes) for f in rank_zero_logger.filters):
         rank_zero_logger.addFilter(_DropExpectedNotes())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +24,20 @@ from mima.training.trainer import Launch, run_finished
 class FitResult:
     run_dir: Path
     preempted_by: int | None = None  # what stopped the run early (state saved): a signal, 0 for RUN/STOP
+    finished_now: bool = False  # this call trained the run to its end (not: stopped early, or found finished)
 
 
 def run_fit(args: list[str] | dict | None = None) -> FitResult:
     """Run `mima fit`; returns the run folder and whether a signal stopped it early."""
+    started = time.monotonic()
     cli = build_cli(args)
     try:
-        return _run_fit(cli)
+        result = _run_fit(cli)
     finally:
         cli.release_lock()
+    if result.finished_now and global_rank() == 0:
+        print(finished_summary(RunFolder(result.run_dir), time.monotonic() - started), flush=True)
+    return result
 
 
 def _run_fit(cli: MimaCLI) -> FitResult:
@@ -91,7 +97,35 @@ def _run_fit(cli: MimaCLI) -> FitResult:
             # SLURM's warning before the time limit: come back and go on. Not SIGTERM: that is scancel
             # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
             requeue_slurm_job("mima fit")
-    return FitResult(run_dir, stopped_by)
+    finished = stopped_by is None and run_finished(run, data.task_names, module.hparams.mode)
+    return FitResult(run_dir, stopped_by, finished_now=finished)
+
+
+def finished_summary(run: RunFolder, seconds: float) -> str:
+    """The last lines of a finished `mima fit`: where the run is, what it holds, each task's mean loss
+    over its last phase (metrics.jsonl) and what to run next."""
+    lines = [f"mima fit: finished in {format_duration(seconds)}; the run is in {run.path}"]
+    names = [path.name for path in run.final_files()]
+    lines.append(f"  final/: {', '.join(names)} (with pretrained.safetensors: theta_0)")
+    records = run.phase_records()
+    if records and isinstance(records[-1].get("loss"), dict):
+        losses = records[-1]["loss"]
+        lines.append(f"  mean loss over phase {records[-1]['phase']}: "
+                     + ", ".join(f"{task} {loss:.4g}" for task, loss in losses.items()))
+    if not run.is_joint():
+        lines.append(f"  next: mima merge --method ties --models {run.path} --output MERGED.safetensors --select-on val, "
+                     f"or mima evaluate {run.path} --out TABLE_DIR")
+    return "\n".join(lines)
+
+
+def format_duration(seconds: float) -> str:
+    """`42 s`, `3 min 05 s`, `2 h 07 min`."""
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
 
 
 def last_good_checkpoint(run: RunFolder, launch: Launch) -> str:
