@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from mima.commands import COMMANDS, DATA_COMMANDS, Command, find
-from mima.commands.common import one_line, os_error_line, storage_error_line
+from mima.commands.common import capped, one_line, os_error_line, storage_error_line
 from mima.core.errors import MimaError
 
 __all__ = ["COMMANDS", "DATA_COMMANDS", "main", "parse"]
@@ -66,14 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mima {label}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"mima {name}: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"mima {name}: error: {capped(os_error_line(exc))}", file=sys.stderr)
         return 2
     except Exception as exc:
         if not _terminations:
             line = storage_error_line(exc)
             if line is None:
                 raise
-            print(f"mima {name}: error: {line}", file=sys.stderr)
+            print(f"mima {name}: error: {capped(line)}", file=sys.stderr)
             return 2
         # SIGTERM arrived inside a library call (e.g. safetensors reading a tensor), which reported
         # the interruption as an error of its own: still a termination, and it unwound the same way

@@ -760,3 +760,15 @@ def reference_runs(tmp_path_factory, small_clip):
         return cache[key]
 
     return get
+
+
+class ShouldStopAtStep(Callback):
+    """Ask Lightning to end training after step `step` (as a user's early-stopping callback would),
+    without a stop request of mima's."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True

@@ -150,6 +150,12 @@ CASES = {
                          "model.sync_merge_args.lam: 1e+30 is out of range; expected a finite number in -10 .. 10"),
     "batch_size_0": (setting("data.batch_size", 0), f"data.batch_size: 0 is out of range; {INTEGER_RANGE} 1 .. 1048576"),
     "eval_batch_size_0": (setting("data.eval_batch_size", 0), f"data.eval_batch_size: 0 is out of range; {INTEGER_RANGE} 1 .. 1048576"),
+    # issue 41: options that end trainer.fit before the plan's last step (the run said "finished" without final/)
+    **{f"cut_short_{key}_{value}": (setting(f"trainer.{key}", value), f"trainer.{key}={value!r}: would end the run "
+                                    "before its plan; the run length is set by model.steps and model.iterations")
+       for key, value in (("limit_train_batches", 3), ("limit_train_batches", 0.5), ("fast_dev_run", True),
+                          ("fast_dev_run", 2), ("overfit_batches", 1), ("overfit_batches", 0.1), ("max_steps", 4),
+                          ("max_epochs", 1))},
 }
 
 

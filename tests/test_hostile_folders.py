@@ -14,6 +14,7 @@ import yaml
 from mima.core.errors import MimaError
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.tasks import LoadOptions
+from tests.conftest import fit_config
 from tests.helpers import assert_one_line, class_tree, cli, custom_task_fit_config, run_command
 
 CLASSES = ("circle", "square")
@@ -118,3 +119,18 @@ def test_good_templates_give_the_prompts_heads_are_built_from(tmp_path):
     spec = folder_task_spec(as_folder_task({"name": "shapes", "path": str(task), "templates": templates}))
     assert spec.templates == tuple(templates)
     assert [t.format(spec.classnames[1]) for t in spec.templates] == ["a photo of a square.", "{literal braces} around square"]
+
+
+# ---------------------------------------------------------------------------- reserved names (issue 41)
+@pytest.mark.parametrize("name", ["joint", "Joint", "mean"])
+def test_a_custom_task_may_not_take_a_name_the_run_folder_or_the_results_use(tmp_path, small_clip, capfd, name):
+    """final/joint.* is the joint baseline's (a task named so made the run look like one), "mean" the task
+    average's column of the results: refused in one line before anything runs."""
+    config = fit_config(tmp_path / "run", small_clip, None, steps=2, iterations=1)
+    config["data"] = {"suite": None, "batch_size": 8, "custom_tasks": [
+        {"name": "stripes", "path": str(_task(tmp_path))}, {"name": name, "path": str(_task(tmp_path / "other"))}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    for command in (["plan", "--config", tmp_path / "c.yaml"], ["fit", "--config", tmp_path / "c.yaml"]):
+        outcome = cli(command, capfd)
+        assert_one_line(outcome.code, outcome.err, f"data.custom_tasks[1]: name {name!r} is reserved")
+    assert not (tmp_path / "run").exists()

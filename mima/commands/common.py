@@ -213,10 +213,21 @@ def one_line(error: MimaError) -> str:
     traceback ("Caught MimaError in DataLoader worker process 0. Original Traceback ..."); its
     last line holds the message."""
     text = str(error).strip()
-    if "Original Traceback" not in text:
-        return text
-    last = text.splitlines()[-1]
-    return last.split(f"{MimaError.__name__}: ", 1)[-1]
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(f"{MimaError.__name__}: ", 1)[-1]
+    return capped(text)
+
+
+MAX_ERROR_CHARS = 1000  # an error line quotes user input (a path, an --out template): bounded, and one line
+
+
+def capped(text: str) -> str:
+    """`text` on one line and at most MAX_ERROR_CHARS long: a value pasted into a message can be huge."""
+    line = " ".join(text.split("\n"))
+    if len(line) <= MAX_ERROR_CHARS:
+        return line
+    keep = MAX_ERROR_CHARS - 60
+    return f"{line[:keep]} ... ({len(line) - keep} more characters left out)"
 
 # the data-free merges the demo and `mima evaluate` compare unless --merges names others (the foundation merges)
 COMPARED_MERGES = ("uniform", "task_arithmetic", "ties", "cart")

@@ -15,7 +15,8 @@ from mima.core.bounded_yaml import bounded_yaml, read_bounded_yaml
 from mima.core.errors import MimaError
 from mima.core.settings import check_section, check_value
 
-__all__ = ["bounded_yaml", "check_config_source", "check_run_values", "config_mapping", "read_config_file"]
+__all__ = ["bounded_yaml", "check_config_source", "check_run_values", "check_trainer_options", "config_mapping",
+           "read_config_file"]
 
 SECTIONS = ("model", "data", "trainer")
 DIGITS = re.compile(r"\s*[+-]?\d+\s*")
@@ -60,6 +61,32 @@ def check_run_values(config: Mapping[str, Any]) -> None:
     if (isinstance(devices, int) and not isinstance(devices, bool)) or (isinstance(devices, str) and DIGITS.fullmatch(devices)):
         check_value("trainer.devices", devices)
     check_section("trainer", {key: value for key, value in trainer.items() if key != "devices"})
+    check_trainer_options(trainer)
+
+
+# Trainer options that would end `trainer.fit` before the plan's last step (so without final models) and
+# the values that leave the run whole. mima sets the run length from model.steps and model.iterations.
+RUN_LENGTH_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "max_steps": (None, -1),
+    "max_epochs": (None,),
+    "max_time": (None,),
+    "min_steps": (None,),
+    "limit_train_batches": (None, 1.0),  # an int is a number of batches, a float a fraction of them
+    "fast_dev_run": (None, False, 0),
+    "overfit_batches": (None, 0, 0.0),
+}
+
+
+def check_trainer_options(trainer: Mapping[str, Any]) -> None:
+    """Refuse, in one line, a trainer option that would cut the run short of its plan (a run that ends
+    early would say it finished without writing final/), or that would mix the tasks' BatchNorm statistics."""
+    for key, whole in RUN_LENGTH_OPTIONS.items():
+        value = trainer.get(key)
+        if not any(value is neutral or (type(value) is type(neutral) and value == neutral) for neutral in whole):
+            raise MimaError(f"trainer.{key}={_shown(value)}: would end the run before its plan; the run length is "
+                            "set by model.steps and model.iterations, leave it unset")
+    if trainer.get("sync_batchnorm"):
+        raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
 
 
 def _shown(value: Any) -> str:

@@ -54,6 +54,9 @@ StateDict = dict[str, torch.Tensor]
 REPORT_FILES = ("report.md", "report.html")
 REPLACED_PREFIX = ".replaced-"  # an earlier run moved aside by `mima fit --overwrite`
 JOINT = "joint"  # the joint multi-task baseline's one final model: final/joint.safetensors
+# Names a task may not take (in any case): final/joint.* is the joint baseline's; "mean" is the task
+# average's column in the results tables (mima.evaluation.results).
+RESERVED_TASK_NAMES = (JOINT, "mean")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,8 @@ def slurm_job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID")
 
 
+LOCK_READ_BYTES = 64 * 1024  # more is not a lock record (read as an unknown holder)
+
 class RunLock:
     """The lock of `folder` for `command` (see the module text). Reusable: acquire, release, acquire."""
 
@@ -160,7 +162,8 @@ class RunLock:
         """What the lock file says (None: no lock file; a file being written or damaged reads as an
         unknown holder with the file's age)."""
         try:
-            text = self.path.read_text()
+            with self.path.open("rb") as stream:  # a lock record is a few hundred bytes: read no more than that
+                text = stream.read(LOCK_READ_BYTES).decode("utf-8", "replace")
             stat = self.path.stat()
         except FileNotFoundError:
             return None
@@ -170,7 +173,7 @@ class RunLock:
             holder = json.loads(text)
             if not isinstance(holder, dict):
                 raise ValueError
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
             holder = {"unreadable": True}
         holder["age_s"] = max(0.0, time.time() - stat.st_mtime)
         return holder

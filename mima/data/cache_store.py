@@ -245,7 +245,7 @@ def _cache_key(parts: dict) -> str:
 def _read_sidecar(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged sidecar: the cache entry is rebuilt
         return None
 
 

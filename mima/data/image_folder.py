@@ -60,6 +60,7 @@ from torch.utils.data import Dataset, Subset
 from mima.data.splits import carve_validation, holdout_split, validation_size
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec, check_templates
 from mima.core.errors import MimaError
+from mima.core.run_folder import RESERVED_TASK_NAMES
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a photo of the {}.", "an image of a {}.")
@@ -266,6 +267,9 @@ def as_folder_task(value: FolderTask | Mapping, position: int = 0) -> FolderTask
     if not TASK_NAME.fullmatch(str(task.name)):
         # the name becomes file names (final/<task>.safetensors, cached heads)
         raise MimaError(f"data.custom_tasks[{position}]: name {task.name!r} must be letters, digits and _ . + - (no spaces or '/')")
+    if str(task.name).lower() in RESERVED_TASK_NAMES:
+        raise MimaError(f"data.custom_tasks[{position}]: name {task.name!r} is reserved (the run folder and results use "
+                        f"{', '.join(repr(name) for name in RESERVED_TASK_NAMES)}); give the task another name")
     if task.bad_images not in BAD_IMAGE_CHOICES:
         raise MimaError(f"data.custom_tasks '{task.name}': bad_images {task.bad_images!r} must be one of {', '.join(BAD_IMAGE_CHOICES)}")
     folder_templates(task)  # now, with the config: a bad template would otherwise stop training at the head

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mima.core.errors import MimaError
+from mima.core.file_identity import first_duplicate
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import check_compatible
 from mima.core.threads import intra_op_threads
@@ -92,13 +93,25 @@ def expand_models(paths: Sequence[Path]) -> tuple[list[Path], list[str] | None, 
     return [Path(p) for p in paths], None, None
 
 
+def refuse_duplicate_inputs(paths: Sequence[Path], base_given: bool) -> None:
+    """One line when two inputs hold the same bytes (one file under two names, a hard link, a copy): a
+    model given twice would count twice in the merge, and a model equal to --base adds no task vector.
+    `paths`: --base first when `base_given`, then the models."""
+    pair = first_duplicate(paths)
+    if pair is None:
+        return
+    first, second = (("--base" if base_given and index == 0 else "--models", paths[index]) for index in pair)
+    raise MimaError(f"{second[0]} {second[1]}: holds the same bytes as {first[0]} {first[1]}; each model must be given "
+                    "once and differ from the base (a duplicate would count twice in the merge)")
+
+
 @contextlib.contextmanager
 def open_inputs(model_files: Sequence[Path], base_path: Path | None, prefetch: bool = True) -> Iterator[MergeInputs]:
     """The safetensors files (`expand_models` turns a run folder into them), checked against each other
     from their headers; read ahead in the background unless `prefetch` is False (the same bytes)."""
     paths = ([Path(base_path)] if base_path is not None else []) + [Path(file) for file in model_files]
-    if len({p.resolve() for p in paths if p.exists()}) != len(paths) and all(p.exists() for p in paths):
-        raise MimaError("the same file is given twice among --base and --models")
+    if all(p.is_file() for p in paths):  # a missing file is named by its reader below
+        refuse_duplicate_inputs(paths, base_given=base_path is not None)
     with contextlib.ExitStack() as stack:
         readers = [stack.enter_context(SafetensorsReader(path)) for path in paths]
         check_compatible({str(path): reader.infos for path, reader in zip(paths, readers)})

@@ -23,6 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mima.core.errors import MimaError
+from mima.core.files import read_json
 from mima.models.clip import EMBEDDED_PREFIX, LOCAL_DIR_PREFIX
 
 TRACE_BATCHES = (2, 4)  # the traced forward passes' batch sizes (per example: the difference over theirs)
@@ -64,7 +65,10 @@ def model_config(clip: str, cache_dir: Path | None = None) -> dict:
         config_file = Path(clip[len(LOCAL_DIR_PREFIX):]) / "open_clip_config.json"
         if not config_file.is_file():
             raise MimaError(f"model.clip: {config_file.parent} has no open_clip_config.json (expected an open_clip model folder)")
-        return json.loads(config_file.read_text())["model_cfg"]
+        model_cfg = read_json(config_file).get("model_cfg")
+        if not isinstance(model_cfg, dict):
+            raise MimaError(f"model.clip: {config_file} has no model_cfg mapping (expected open_clip's folder layout)")
+        return model_cfg
     config = open_clip.get_model_config(clip)
     if config is None:
         raise MimaError(f"model.clip: unknown open_clip architecture '{clip}' (use e.g. ViT-B-32, local-dir:PATH or "

@@ -96,5 +96,11 @@ def build_strategy(configured, num_tasks: int, task_work: tuple[int, ...], timeo
 
 def run_finished(run: RunFolder, tasks: list[str], mode: str) -> bool:
     """Whether every final model of the run (each task's, or the joint baseline's one) is in final/."""
+    return not missing_finals(run, tasks, mode)
+
+
+def missing_finals(run: RunFolder, tasks: list[str], mode: str) -> list[str]:
+    """The names of the final models (each task's, or the joint baseline's one) that final/ lacks (a final
+    model is there once its metadata file is: it is written after the weights)."""
     names = [JOINT] if mode == JOINT else tasks
-    return all(run.final_metadata_file(name).is_file() for name in names)
+    return [name for name in names if not run.final_metadata_file(name).is_file()]

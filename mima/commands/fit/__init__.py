@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mima.config.source import bounded_yaml, check_run_values, config_mapping, read_config_file
+from mima.config.trust import check_argument_code, check_config_code
 from mima.core.errors import MimaError
 
 
@@ -23,6 +24,7 @@ def main(argv: Sequence[str]) -> int:
     saving a checkpoint (on the process that was started; the others exit 0 so that launchers do not
     tear the job down before it has saved)."""
     check_config_files(argv)  # before Lightning is imported: a typo answers at once
+    check_argument_code(list(argv))  # nothing the command line names is imported unless trusted
     from mima.core.environment import global_rank
     from mima.commands.fit.run import run_fit
 
@@ -54,3 +56,4 @@ def check_config_files(argv: Sequence[str]) -> None:
         else:
             continue  # a folder: the parser names it
         check_run_values(raw)
+        check_config_code(raw, f"--config {value}")  # before jsonargparse imports what it names

@@ -39,7 +39,7 @@ from mima.commands.common import suggest_option
 from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
 from mima.config.defaults import AUTO, CHECKPOINT_EVERY_DEFAULT, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.run_config import config_error_text
-from mima.config.source import check_run_values
+from mima.config.source import check_run_values, check_trainer_options
 from mima.core.environment import global_rank
 from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
@@ -128,11 +128,7 @@ class MimaCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config
         trainer_config = config.get("trainer", {})
-        for key, neutral in (("max_steps", -1), ("max_epochs", None), ("max_time", None), ("min_steps", None)):
-            if trainer_config.get(key) not in (neutral, None):
-                raise MimaError(f"trainer.{key}: the run length is set by model.steps and model.iterations; leave it unset")
-        if trainer_config.get("sync_batchnorm"):
-            raise MimaError("trainer.sync_batchnorm: would average BatchNorm statistics across tasks; leave it off")
+        check_trainer_options(trainer_config)  # also in parse_arguments' check_run_values; kept for dict configs
         set_threads(config.get("threads_per_process"))
         # before any CUDA work of this process (the processes Lightning starts come through here too)
         note = prepare_deterministic(trainer_config.get("deterministic"), trains_on_gpu(trainer_config))
@@ -319,9 +315,17 @@ def resolve_run_dir(out: str | None, config: Mapping[str, Any]) -> Path:
         "seed": config.get("seed_everything"),
     }
     try:
-        return Path(out.format(**fields))
+        filled = Path(out.format(**fields))
     except (KeyError, IndexError, ValueError) as exc:
         raise MimaError(f"--out {out}: only {{config}}, {{iterations}} and {{seed}} can be filled in ({exc})") from None
+    longest = max((len(os.fsencode(part)) for part in filled.parts), default=0)
+    if longest > NAME_MAX_BYTES:  # the folder could not be made: say so now, naming what the user wrote
+        raise MimaError(f"--out {out}: filled in, one folder name is {longest} bytes long; a file system takes at "
+                        f"most {NAME_MAX_BYTES}")
+    return filled
+
+
+NAME_MAX_BYTES = 255  # the longest file or folder name Linux file systems take (NAME_MAX)
 
 
 def build_cli(args: list[str] | dict | None, cli_class: type[MimaCLI] | None = None) -> MimaCLI:

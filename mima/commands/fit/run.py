@@ -17,7 +17,7 @@ from mima.core.run_folder import RunFolder
 from mima.training.checkpoint_format import STATE_NAME
 from mima.training.determinism import deterministic_refusal
 from mima.training.resume import log_resume, resolve_resume
-from mima.training.trainer import Launch, run_finished
+from mima.training.trainer import Launch, missing_finals, run_finished
 
 
 @dataclass
@@ -97,8 +97,17 @@ def _run_fit(cli: MimaCLI) -> FitResult:
             # SLURM's warning before the time limit: come back and go on. Not SIGTERM: that is scancel
             # (the user wants the job gone), a preemption (SLURM requeues by itself) or a node going down.
             requeue_slurm_job("mima fit")
-    finished = stopped_by is None and run_finished(run, data.task_names, module.hparams.mode)
-    return FitResult(run_dir, stopped_by, finished_now=finished)
+    planned = module.plan.local_steps
+    if stopped_by is None and trainer.global_step < planned:
+        # nothing asked it to stop, yet this process did not take its planned steps: never report such a
+        # run as done (each process checks its own steps; the final models of the others may still be
+        # being written when this one ends, where no checkpoint callback waits for them)
+        raise MimaError(f"{run_dir}: training ended at process step {trainer.global_step} of {planned} on process "
+                        f"{global_rank()} without a stop request; the run is unfinished (final/ lacks "
+                        f"{', '.join(missing_finals(run, data.task_names, module.hparams.mode))}): resume it with "
+                        "--ckpt_path last")
+    return FitResult(run_dir, stopped_by, finished_now=stopped_by is None)
+
 
 
 def finished_summary(run: RunFolder, seconds: float) -> str:

@@ -1,0 +1,43 @@
+"""Records read with bounds (issue 41, item 7): JSON nested 100,000 deep, in any file mima reads back
+(final/*.json, metrics.jsonl, a run lock, an open_clip folder's config), is one line naming the file,
+never a RecursionError; a lock file of megabytes is read as an unknown holder from its first bytes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from mima.core.errors import MimaError
+from mima.core.files import read_json, read_json_lines
+from mima.core.run_lock import LOCK_READ_BYTES, RunLock
+from mima.models.footprint import model_config
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_deep_json_in_a_record_file_is_one_line(tmp_path):
+    (tmp_path / "rot90.json").write_text(DEEP)
+    with pytest.raises(MimaError, match=r"rot90.json: not valid JSON \(nested too deeply"):
+        read_json(tmp_path / "rot90.json")
+    (tmp_path / "metrics.jsonl").write_text('{"phase": 1}\n' + DEEP + "\n")
+    with pytest.raises(MimaError, match=r"metrics.jsonl: line 2 is not valid JSON \(nested too deeply"):
+        read_json_lines(tmp_path / "metrics.jsonl")
+
+
+def test_a_deep_open_clip_config_is_one_line(tmp_path):
+    (tmp_path / "open_clip_config.json").write_text('{"model_cfg": ' + DEEP + "}")
+    with pytest.raises(MimaError, match="open_clip_config.json: not valid JSON"):
+        model_config(f"local-dir:{tmp_path}")
+
+
+def test_a_lock_of_deep_json_or_megabytes_reads_as_an_unknown_holder(tmp_path):
+    lock = RunLock(tmp_path, "test")
+    lock.path.write_text(DEEP)
+    assert lock.holder()["unreadable"] is True
+    lock.path.write_bytes(b"{" + b" " * (8 * LOCK_READ_BYTES))
+    started = time.perf_counter()
+    assert lock.holder()["unreadable"] is True
+    assert time.perf_counter() - started < 0.5
+    assert os.path.getsize(lock.path) > LOCK_READ_BYTES
