@@ -40,6 +40,7 @@ HARMLESS = frozenset({
 # a stored config without the key equals one with that value.
 ADDED_LATER = {
     "model.quick_gelu": "auto",  # the activation as a tag says; a weight file was refused or now says it
+    "model.proximal_mu": 0.0,  # no proximal term: MIMA's loss
 }
 # Keys that may change only where the layout check passes (the same number of processes, for now).
 LAYOUT = frozenset({"trainer.devices", "trainer.num_nodes"})

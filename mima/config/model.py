@@ -91,8 +91,15 @@ class ModelSettings:
         sync_merge: the phase-end operator (mima.training.sync_merge): "uniform" (default: MIMA's
             average) or the name of any data-free merge of mima.merging (`mima merge --method`), applied to the tasks'
             end weights with theta_0 as the base at every sync; "task_arithmetic" with a fixed lam
-            is ATM (arXiv 2411.03055).
-        sync_merge_args: that merge's hyperparameters (e.g. {lam: 0.3}); its defaults otherwise.
+            is ATM (arXiv 2411.03055); "outer_nesterov": DiLoCo's outer optimiser (arXiv
+            2311.08105): the phase's start point minus the average is a pseudo-gradient, stepped by
+            Nesterov momentum SGD (outer_lr 1 with outer_momentum 0 is the average; the momentum
+            is kept from sync to sync and in checkpoints).
+        sync_merge_args: that merge's hyperparameters (e.g. {lam: 0.3}); its defaults otherwise
+            (outer_nesterov: {outer_lr: 0.7, outer_momentum: 0.9}, DiLoCo's).
+        proximal_mu: FedProx's proximal term (arXiv 1812.06127): every step's loss adds
+            mu/2 ||theta - theta_s||^2 over the trained parameters, theta_s the phase's start point,
+            so each task's segment is pulled towards where the phase began; 0 (default) is MIMA.
         phase_schedule: "equal" (default): every phase K = S / N steps per task; "geometric": each
             phase `phase_ratio` times as long as the one before, the lengths summing to S
             (mima.core.plan.phase_lengths; S need not be a multiple of N).
@@ -121,6 +128,7 @@ class ModelSettings:
     sync_merge_args: dict[str, Any] | None = None
     phase_schedule: PhaseSchedule = "equal"
     phase_ratio: float = 2.0
+    proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
         self.check_ranges()
@@ -130,6 +138,9 @@ class ModelSettings:
         if isinstance(self.steps, dict) and self.mode == JOINT:
             raise MimaError("model.steps: the joint baseline trains one model on every task at once; give one number of "
                             "steps, not a map of per-task budgets")
+        if self.mode == JOINT and self.proximal_mu:
+            raise MimaError("model.proximal_mu: the joint baseline has no phases, so no phase start to pull towards; "
+                            "leave it 0")
         if self.segment_warmup_steps < 0 or self.segment_warmup_steps > shortest:
             raise MimaError(
                 f"model.segment_warmup_steps must be in 0 .. K = {shortest} (steps per phase, the shortest), got {self.segment_warmup_steps}"

@@ -70,6 +70,13 @@ BATCH_MAX = 2**20
 # |lambda| of a sync merge's task vectors (lam, mask_lam): the published grids stay within 0 .. 3; the
 # sync restarts every phase from the merge, so a large lambda compounds phase after phase
 SYNC_LAMBDA_MAX = 10.0
+# DiLoCo's outer step (model.sync_merge: outer_nesterov) scales the phase's averaged update by outer_lr
+# (the paper: 0.7); past 2 the outer step overshoots the average by more than the update itself
+OUTER_LR_MAX = 10.0
+# its momentum (the paper: 0.9) below 1: at 1 the buffer never forgets and the steps grow without bound
+OUTER_MOMENTUM_MAX = 0.999
+# FedProx's mu (model.proximal_mu; the paper's grid: 0.001 .. 1): the pull towards the phase's start point
+PROXIMAL_MU_MAX = 100.0
 THREADS_PER_CORE_MAX = 4  # --threads_per_process: more threads than 4 per core only oversubscribe
 COLLECTIVE_TIMEOUT_MAX_S = 7 * 24 * 3600  # a week (datetime.timedelta and NCCL take far more; nothing waits longer)
 
@@ -113,6 +120,9 @@ VALUE_RANGES: dict[str, ValueRange] = {bound.key: bound for bound in (
     ValueRange("model.phase_ratio", float, 0.01, 100.0),
     ValueRange("model.sync_merge_args.lam", float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX),
     ValueRange("model.sync_merge_args.mask_lam", float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX, listed=True),
+    ValueRange("model.sync_merge_args.outer_lr", float, 0, OUTER_LR_MAX, above_low=True),
+    ValueRange("model.sync_merge_args.outer_momentum", float, 0, OUTER_MOMENTUM_MAX),
+    ValueRange("model.proximal_mu", float, 0, PROXIMAL_MU_MAX),
     ValueRange("data.batch_size", int, 1, BATCH_MAX),
     ValueRange("data.eval_batch_size", int, 1, BATCH_MAX),
     ValueRange("data.num_workers", int, 0, 1024),  # the machine that plans a run need not be the one that runs it

@@ -336,6 +336,10 @@ class MimaCheckpoint(Checkpoint):
         avg_file = self.files.average(phases.avg_phase)
         self._ensure(avg_file, trainer.is_global_zero, ("average", 0), phases.avg)
         state["avg"] = reference(self.files, avg_file, "state")
+        if phases.outer_momentum:  # the same on every process, like the average: written once, by process 0
+            momentum_file = self.files.outer_momentum(phases.avg_phase)
+            self._ensure(momentum_file, trainer.is_global_zero, ("outer_momentum", 0), phases.outer_momentum)
+            state["outer_momentum"] = reference(self.files, momentum_file, "state")
         for slot, weights in phases.segment_ends.items():
             task = plan.tasks[plan.local_tasks[slot]]
             file = self.files.segment(phases.segment_phase, task, phases.segment_phase == last)

@@ -2,6 +2,9 @@
 
     RUN/checkpoints/
       averages/phase-PPPP.safetensors        the average after the sync ending phase P (rank 0)
+      averages/phase-PPPP-outer-momentum.safetensors
+                                             the outer momentum after that sync (sync_merge:
+                                             outer_nesterov; rank 0), kept and removed with it
       segments/phase-PPPP/<task>.safetensors a task's end weights of phase P (the task's first
                                              replica); in the last phase final/<task>.safetensors
       moments/phase-PPPP/<task>.safetensors  that segment's AdamW moments (optimizer_state: keep)
@@ -50,6 +53,11 @@ class CheckpointFiles:
         if phase < 0:  # the start of phase 0 is theta_0
             return RunFolder(self.run_dir).pretrained_file
         return self.root / "averages" / f"phase-{phase:04d}.safetensors"
+
+    def outer_momentum(self, phase: int) -> Path:
+        """The outer momentum after the sync ending phase P: named phase-PPPP-..., so that the rule
+        that removes the averages of a phase (mima.training.checkpoint_retention) removes it too."""
+        return self.root / "averages" / f"phase-{phase:04d}-outer-momentum.safetensors"
 
     def segment(self, phase: int, task: str, last_phase: bool) -> Path:
         if last_phase:

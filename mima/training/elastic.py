@@ -14,7 +14,9 @@ W > T gives each task R = W / T replicas that split its batch and average their 
 rounds differently from one process per task: a cut can only resume where R stays the same (any
 W <= T for a cut written at W <= T; the same W otherwise). Lightning's loop counters, the learning
 rate and the scheduler of a process are functions of its step; they are taken from one saved state
-(the template) and moved to the new step.
+(the template) and moved to the new step. The outer momentum of `sync_merge: outer_nesterov`, like
+the phase's average, is one file that every process of the cut refers to; every process of the new
+layout takes it.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Redeal:
     prefixes: tuple[int, ...]  # per target rank
     template: Path  # a state of the cut whose Lightning state is moved to each new step
     problem: str | None = None  # why the cut cannot be dealt (a file it needs is missing)
+    outer_momentum: dict | None = None  # reference to the outer momentum with `avg` (sync_merge: outer_nesterov)
 
     @property
     def kept(self) -> int:
@@ -142,8 +145,10 @@ def plan_redeal(run_dir: Path, cut: dict, source_world_size: int, layout: TaskLa
         prefixes.append(min(prefix, len(local) - 1) if last else prefix)
     template = cut[0].path
     avg = cut[0].phase_state["avg"]
+    # the same on every process of the cut (made from the same average), like `avg`: one file, taken as it is
+    outer_momentum = cut[0].phase_state.get("outer_momentum") or None
     return Redeal(source_world_size, layout, tasks, phase, int(expected["iterations"]), avg,
-                  tuple(points[t] for t in range(len(tasks))), tuple(prefixes), template, problem)
+                  tuple(points[t] for t in range(len(tasks))), tuple(prefixes), template, problem, outer_momentum)
 
 
 def redealt_state(redeal: Redeal, rank: int, run_dir: Path, module, accumulate: int) -> dict:
@@ -175,6 +180,7 @@ def redealt_state(redeal: Redeal, rank: int, run_dir: Path, module, accumulate: 
         "moments_phase": moments_phase,
         "loss_sums": {slot: points[slot].loss_sum for slot in range(prefix)},
         "pending_sync": pending,
+        "outer_momentum": redeal.outer_momentum or {},
     }
     state = dict(template)
     state["global_step"] = step

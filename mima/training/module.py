@@ -75,6 +75,9 @@ class MimaModule(L.LightningModule):
         self.layout: TaskLayout | None = None
         self.tasks: ProcessTasks | None = None  # from TaskSuiteDataModule.connect, in setup
         self.task_names: list[str] = []
+        # the running phase's start point theta_s (on the device), which the proximal term pulls towards:
+        # set by MimaSyncCallback wherever the phase state's start point changes
+        self.phase_start: dict[str, torch.Tensor] | None = None
         # whether a batch of the running segment came from another task's slot; a device flag read at
         # the segment end, not per step (reading it would make the host wait for the device)
         self.wrong_slot: torch.Tensor | None = None
@@ -159,7 +162,23 @@ class MimaModule(L.LightningModule):
         logits = classify(self.encoder, self.head(position.slot), images)
         # train/loss/<task> is logged by MimaSyncCallback once per optimiser step, read from the device
         # at logging intervals; the progress bar shows the last value read (PhaseState.shown_loss)
-        return F.cross_entropy(logits, labels)
+        loss = F.cross_entropy(logits, labels)
+        mu = self.hparams.proximal_mu
+        if not mu:
+            return loss  # MIMA's loss, untouched
+        # the optimiser minimises the loss with the proximal term; the task's own loss is what is logged,
+        # divided by the micro-batch count as Lightning divides "loss" (an extra key it leaves as it is)
+        task_loss = loss.detach() / self.trainer.accumulate_grad_batches
+        return {"loss": loss + mu / 2 * self._distance_to_phase_start(), "task_loss": task_loss}
+
+    def _distance_to_phase_start(self) -> torch.Tensor:
+        """||theta - theta_s||^2 over the trained parameters (FedProx's proximal term without mu / 2),
+        summed in the parameters' order, the same on every process."""
+        if self.phase_start is None:
+            raise RuntimeError("model.proximal_mu needs the phase's start point, which MimaSyncCallback sets")
+        squares = [(param - self.phase_start[name]).square().sum()
+                   for name, param in self.encoder.named_parameters() if param.requires_grad]
+        return torch.stack(squares).sum()
 
     def _check_slots(self, slots: torch.Tensor, position: StepPosition) -> None:
         """Every batch of a segment must come from the segment's task slot: collected on the device,

@@ -2,11 +2,12 @@
 
 `PhaseState` holds what a process carries from one task segment to the next and across a sync:
 the phase's start point `avg`, each of its task slots' end weights of the running phase, the
-kept AdamW moments (`optimizer_state: keep`), the per-slot loss sums, and whether a sync is
-pending (a stop came at a sync, before it ran). `mima fit` makes one per process and hands it to
-the two callbacks that need it: MimaSyncCallback changes it, MimaCheckpoint only serialises and
-restores it. Neither callback reads the other. The progress bar (mima.training.progress) reads the
-newest logged loss from it, which the host has read anyway (`shown_loss`).
+kept AdamW moments (`optimizer_state: keep`), the outer momentum of `sync_merge: outer_nesterov`,
+the per-slot loss sums, and whether a sync is pending (a stop came at a sync, before it ran).
+`mima fit` makes one per process and hands it to the two callbacks that need it: MimaSyncCallback
+changes it, MimaCheckpoint only serialises and restores it. Neither callback reads the other. The
+progress bar (mima.training.progress) reads the newest logged loss from it, which the host has read
+anyway (`shown_loss`).
 
 The end weights and kept moments live in host memory, in `HostBuffers`: one buffer per (kind,
 slot), allocated in the first phase and refilled at every later segment end (pinned when the
@@ -236,6 +237,9 @@ class PhaseState:
     loss_sums: dict[int, float] = field(default_factory=dict)  # slot -> summed step losses this phase (settled ones)
     step_losses: StepLosses = field(default_factory=StepLosses)  # on the device, not yet in loss_sums
     unlogged: list[StepLoss] = field(default_factory=list)  # settled, not yet written to the loggers
+    # model.sync_merge: outer_nesterov: the outer momentum after the sync ending phase `avg_phase` (on the
+    # device; the same on every process); empty before the first sync and for every other operator
+    outer_momentum: StateDict = field(default_factory=dict)
     pending_sync: bool = False  # stopped at a sync before entering it: run it first on resume
     step_seconds: float | None = None  # this process's median step time (how long its syncs wait; not the weights)
     restored: bool = False  # loaded from a checkpoint (not a fresh start)
@@ -307,6 +311,7 @@ class PhaseState:
             "loss_sums": dict(self.loss_sums),
             "pending_sync": self.pending_sync,
             "step_seconds": self.step_seconds,
+            "outer_momentum": self.outer_momentum,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -319,6 +324,7 @@ class PhaseState:
         self.moments_phase = {int(slot): int(phase) for slot, phase in state["moments_phase"].items()}
         self.pending_sync = bool(state["pending_sync"])
         self.step_seconds = state.get("step_seconds")  # absent in states saved before it was kept
+        self.outer_momentum = dict(state.get("outer_momentum") or {})  # absent before the outer optimiser
         self.restored = True
 
 

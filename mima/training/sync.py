@@ -4,10 +4,12 @@ At the end of each task segment (K steps of one task) the callback keeps the tas
 (in host memory) and restarts the working encoder from the phase's start point `avg` for the next
 task of the process. At the end of each phase all processes average their tasks' end weights
 (every floating tensor: parameters and buffers such as BatchNorm statistics; see
-mima.training.averaging), load the average, reset the optimiser moments as configured, and log the
-alignment diagnostics of paper 001: pairwise cosines of the task vectors tau_t = theta_t - theta_0
-and of the phase updates delta_t = theta_t - avg_previous, over all tasks. In the last phase each
-task's end weights are the run's final task checkpoint.
+mima.training.averaging), turn the average into the next phase's start with the phase-end operator
+(mima.training.sync_merge: the average itself, a merge, or DiLoCo's outer step), load that, reset
+the optimiser moments as configured, and log the alignment diagnostics of paper 001: pairwise
+cosines of the task vectors tau_t = theta_t - theta_0 and of the phase updates delta_t = theta_t -
+avg_previous, over all tasks. In the last phase each task's end weights are the run's final task
+checkpoint.
 
 Device memory: the working encoder and `avg`; the end weights of the process's own tasks wait in
 host memory until the phase ends, and so do the kept AdamW moments of its tasks (`optimizer_state:
@@ -136,8 +138,10 @@ class MimaSyncCallback(Callback):
         phases = self.phases
         if phases.restored:
             phases.avg = {key: value.to(device) for key, value in phases.avg.items()}
+            phases.outer_momentum = {key: value.to(device) for key, value in phases.outer_momentum.items()}
         else:
             phases.avg = {key: value.detach().clone() for key, value in encoder_state.items() if is_mergeable(value)}
+        pl_module.phase_start = phases.avg  # the proximal term's anchor (model.proximal_mu)
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).write_pretrained(pl_module.theta_0)
 
@@ -180,7 +184,8 @@ class MimaSyncCallback(Callback):
         # the step this (micro-)batch belongs to; global_step counts it only once the optimiser stepped
         step = trainer.global_step - 1 if stepped else trainer.global_step
         position = plan.position(step)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # divided by the micro-batch count
+        # divided by the micro-batch count; with a proximal term (model.proximal_mu) the task's loss without it
+        loss = outputs.get("task_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         # kept on the device: the host reads losses only where it waits for the device anyway
         self.phases.step_losses.add_micro_batch(loss)
         if not stepped:
@@ -310,12 +315,16 @@ class MimaSyncCallback(Callback):
         device = next(pl_module.encoder.parameters()).device
         merge = self.sync_merge
         result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device,
-                               keep_tasks=not merge.is_uniform, host=self.phases.host)
+                               keep_tasks=merge.keeps_tasks, host=self.phases.host)
         if merge.is_uniform:
             self.phases.avg = result.average  # on the device already
+        elif merge.outer is not None:  # new tensors: a checkpoint writer may still read the old ones
+            self.phases.avg, self.phases.outer_momentum = merge.outer.step(self.phases.avg, result.average,
+                                                                           self.phases.outer_momentum)
         else:  # a tensor of the merge may be one of its inputs: the host buffers refilled at the next sync
             merged = merge.apply(result.task_states, pl_module.theta_0)
             self.phases.avg = {key: value.to(device, copy=True) for key, value in merged.items()}
+        pl_module.phase_start = self.phases.avg
         self.phases.avg_phase = phase
         length = plan.lengths[phase]
         mean_losses = {plan.local_tasks[slot]: total / plan.phase_length(plan.local_tasks[slot], phase)

@@ -13,6 +13,17 @@ result is the same bit for bit at any number of processes, and after a resume.
 
 Merges that learn from task data (AdaMerging, Fisher, ...) or keep one model per task (TALL masks)
 have no place at the sync and are refused before training, in one line.
+
+`outer_nesterov` is DiLoCo's outer optimiser (arXiv 2311.08105), which has state and so lives here,
+not in mima.merging: with theta_s the phase's start point and avg the uniform average of the
+phase's end weights, the pseudo-gradient g = theta_s - avg is stepped by SGD with Nesterov
+momentum (torch.optim.SGD(nesterov=True) semantics, written out as tensor arithmetic):
+
+    m <- mu_o m + g   (m = g at the first sync)      theta_next = theta_s - lr_o (g + mu_o m)
+
+With lr_o = 1 and mu_o = 0 this is the average itself, up to rounding (theta_s - (theta_s - avg)).
+The momentum m is the same on every process (computed from the same bits) and is saved in the
+checkpoints (mima.training.phase_state.PhaseState.outer_momentum), so a resume goes on with it.
 """
 
 from __future__ import annotations
@@ -22,10 +33,54 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mima.core.errors import MimaError
+from mima.core.settings import check_value
 from mima.merging import get_method
 
 UNIFORM = "uniform"
+OUTER_NESTEROV = "outer_nesterov"
+OUTER_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer Nesterov (arXiv 2311.08105)
 StateDict = dict[str, torch.Tensor]
+
+
+def outer_nesterov_step(start: Mapping[str, torch.Tensor], average: Mapping[str, torch.Tensor],
+                        momentum: Mapping[str, torch.Tensor], lr: float,
+                        momentum_factor: float) -> tuple[StateDict, StateDict]:
+    """The next phase's start point and momentum (see the module docstring): new tensors, never the
+    inputs changed in place (a checkpoint writer may still be reading the old ones). The arithmetic is
+    torch.optim.SGD's (nesterov=True, dampening 0), op for op, in float32 or wider; `momentum` empty:
+    the first step (the buffer starts as the pseudo-gradient). With momentum_factor 0 no buffer is kept,
+    as SGD keeps none."""
+    next_start: StateDict = {}
+    next_momentum: StateDict = {}
+    for key, begin in start.items():
+        wide = torch.promote_types(begin.dtype, torch.float32)
+        pseudo_gradient = begin.to(wide) - average[key].to(wide)
+        update = pseudo_gradient
+        if momentum_factor != 0:
+            kept = momentum.get(key)
+            buffer = pseudo_gradient.clone() if kept is None else kept.mul(momentum_factor).add_(pseudo_gradient)
+            update = pseudo_gradient.add(buffer, alpha=momentum_factor)
+            next_momentum[key] = buffer
+        next_start[key] = begin.to(wide).add(update, alpha=-lr).to(begin.dtype)
+    return next_start, next_momentum
+
+
+class OuterNesterov:
+    """DiLoCo's outer step with its two options (model.sync_merge_args: outer_lr, outer_momentum)."""
+
+    def __init__(self, args: Mapping[str, object]) -> None:
+        unknown = sorted(set(args) - set(OUTER_DEFAULTS))
+        if unknown:
+            raise MimaError(f"model.sync_merge_args: {OUTER_NESTEROV} takes {', '.join(OUTER_DEFAULTS)}, got {unknown}")
+        values = {**OUTER_DEFAULTS, **args}
+        for name, value in values.items():
+            check_value(f"model.sync_merge_args.{name}", value)  # its type and range, in one line
+        self.lr = float(values["outer_lr"])
+        self.momentum = float(values["outer_momentum"])
+
+    def step(self, start: Mapping[str, torch.Tensor], average: Mapping[str, torch.Tensor],
+             momentum: Mapping[str, torch.Tensor]) -> tuple[StateDict, StateDict]:
+        return outer_nesterov_step(start, average, momentum, self.lr, self.momentum)
 
 
 class SyncMerge:
@@ -34,6 +89,11 @@ class SyncMerge:
     def __init__(self, name: str = UNIFORM, args: Mapping[str, object] | None = None, num_tasks: int | None = None) -> None:
         self.name = name
         self.args = dict(args or {})
+        self.outer: OuterNesterov | None = None
+        if name == OUTER_NESTEROV:  # an optimiser with state, not a merge: the average is its input
+            self.outer = OuterNesterov(self.args)
+            self.method = None
+            return
         try:
             self.method = get_method(name)
         except MimaError as error:
@@ -57,6 +117,12 @@ class SyncMerge:
     def is_uniform(self) -> bool:
         """The average itself: computed while gathering (mima.training.averaging), nothing to add."""
         return self.name == UNIFORM
+
+    @property
+    def keeps_tasks(self) -> bool:
+        """Whether the sync must gather every task's end weights (a merge of mima.merging); the
+        average and the outer step need only the average."""
+        return not self.is_uniform and self.outer is None
 
     def apply(self, task_states: Sequence[Mapping[str, torch.Tensor]], theta_0: Mapping[str, torch.Tensor]) -> StateDict:
         """The merge of the tasks' end weights (in task order) with theta_0 as the base, on the CPU."""
