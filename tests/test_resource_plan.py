@@ -142,3 +142,19 @@ def test_plan_bad_input_is_one_line(tmp_path, args, expected, capfd, monkeypatch
     done = mima("plan", "--config", str(DEMO), *args, cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
     assert done.code == 2
     assert done.err.count("\n") == 1 and expected in done.err, done.err
+
+
+@pytest.mark.parametrize("merge, args, kept", [("outer_nesterov", {}, True), ("outer_nesterov", {"outer_momentum": 0.0}, False),
+                                               ("uniform", None, False)])
+def test_the_plan_counts_the_outer_optimisers_momentum(tmp_path, capfd, monkeypatch, merge, args, kept):
+    """model.sync_merge outer_nesterov with momentum keeps one buffer of the encoder's state beside the phase
+    average (mima.training.sync_merge): the plan's device memory holds it, the same size as the average."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["model"].update(sync_merge=merge, sync_merge_args=args)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = mima("plan", "--config", str(path), "--json", cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    assert done.code == 0, done.err
+    parts = json.loads(done.out)["device_memory_parts"]
+    assert parts.get("outer_momentum") == (parts["phase_average"] if kept else None)
+    assert json.loads(done.out)["device_memory_per_process"] == sum(parts.values())

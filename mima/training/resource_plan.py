@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from mima.core.layout import TaskLayout, allowed_world_sizes
 from mima.core.run_folder import JOINT
 from mima.models.footprint import ModelFootprint, safetensors_file_bytes
 from mima.training.checkpoint_callback import SaveSchedule, capture_rng
+from mima.training.sync_merge import OUTER_DEFAULTS, OUTER_NESTEROV
 from mima.training.plan_choices import (
     Choice,
     StepTiming,
@@ -94,6 +96,7 @@ class PlanInputs:
     grad_checkpointing: bool = False  # as the run will use it (resolved from "auto")
     reads_images: bool = False  # whether training decodes image files (clip suite, custom folders)
     data_cache: bool = False
+    outer_momentum: bool = False  # model.sync_merge outer_nesterov with momentum: one more state-sized buffer
     # the defaults the plan settled, by option name (plan_choices.Choice), shown with the plan
     choices: tuple[tuple[str, Choice], ...] = ()
 
@@ -168,6 +171,8 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
         "activations": per_process_batch * footprint.activation_bytes_per_example
         + (footprint.activation_fixed_bytes if mixed else 0),
     }
+    if inputs.outer_momentum:  # kept beside the phase average from one sync to the next
+        device["outer_momentum"] = footprint.state_bytes
     if on_gpu:
         device["cuda_context_reserve"] = CUDA_CONTEXT_BYTES
     most_tasks = max(map(len, owned))
@@ -427,6 +432,7 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
         accumulate=int(trainer.get("accumulate_grad_batches") or 1),
         reads_images=reads_image_files(config), data_cache=bool(config.data.cache),
         grad_checkpointing=settings.grad_checkpointing is True,
+        outer_momentum=keeps_outer_momentum(settings.sync_merge, settings.sync_merge_args),
     )
     footprint = measure_footprint(settings.clip, precision, inputs.grad_checkpointing)
     plan = make_plan(inputs, footprint)
@@ -551,3 +557,8 @@ def _choice_lines(plan: RunPlan) -> list[str]:
         lines.append(f"slurm: a stop saves about {_size(signal['save_bytes'])} per process ({signal['save_s']:.0f} s at "
                      f"{WRITE_BYTES_PER_S / 1e6:.0f} MB/s): submit with {plan.choices['slurm_signal_option']}")
     return lines
+
+
+def keeps_outer_momentum(sync_merge: str, args: Mapping[str, object] | None) -> bool:
+    """Whether the phase-end operator keeps a momentum buffer (outer_nesterov with momentum > 0)."""
+    return sync_merge == OUTER_NESTEROV and float({**OUTER_DEFAULTS, **(args or {})}["outer_momentum"]) > 0
