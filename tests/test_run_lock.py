@@ -126,3 +126,47 @@ def test_two_fits_on_one_run_folder_the_second_is_refused_the_first_is_unchanged
     phases = [json.loads(line)["phase"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert phases == [1, 2, 3]
     assert not (out / "LOCK").exists()
+
+
+# ------------------------------------------------------------ locks that are no lock (issue 41, item 8)
+@pytest.mark.parametrize("kind", ["dangling symlink", "symlink to a file", "folder", "fifo"])
+def test_a_lock_that_is_not_a_plain_file_is_named_for_what_it_is(tmp_path, kind):
+    """No job makes these, so neither waiting nor "try again" helps: one line says what the LOCK is."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / "LOCK"
+    if kind == "dangling symlink":
+        lock.symlink_to(tmp_path / "nowhere")
+    elif kind == "symlink to a file":
+        (tmp_path / "elsewhere").write_text("{}")
+        lock.symlink_to(tmp_path / "elsewhere")
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    expected = {"dangling symlink": f"is a symbolic link to {tmp_path / 'nowhere'}",
+                "symlink to a file": f"is a symbolic link to {tmp_path / 'elsewhere'}",
+                "folder": "is a folder", "fifo": "is not a regular file"}[kind]
+    started = time.perf_counter()
+    with pytest.raises(MimaError, match="not a lock file of mima's") as refused:
+        RunLock(folder, "mima fit").acquire()
+    assert f"{lock}: {expected}" in str(refused.value) and "\n" not in str(refused.value)
+    assert time.perf_counter() - started < 2  # answered at once, the FIFO never opened
+    assert os.path.lexists(lock)  # left for the user to look at
+
+
+@pytest.mark.parametrize("age_s, taken", [(10, False), (3600, True)])
+def test_a_binary_lock_is_an_unreadable_holder_taken_over_once_stale(tmp_path, capfd, age_s, taken):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / "LOCK"
+    lock.write_bytes(bytes(range(256)) * 4)
+    stamp = time.time() - age_s
+    os.utime(lock, (stamp, stamp))
+    if not taken:
+        with pytest.raises(MimaError, match="in use by another job \\(an unreadable lock file"):
+            RunLock(folder, "mima fit").acquire()
+        return
+    with RunLock(folder, "mima fit"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert "(an unreadable lock file, untouched for 3600 s)" in capfd.readouterr().err

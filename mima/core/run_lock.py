@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -44,8 +45,8 @@ STALE_AFTER_S = 300.0  # ten missed heartbeats: a job on another host that stops
 def _process_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
+        with open(f"/proc/{pid}/stat") as stream:
+            return stream.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
 
@@ -117,6 +118,7 @@ class RunLock:
             for _ in range(5):  # a lock released or taken over between our looks: look again
                 if self._create():
                     break
+                self._refuse_special_file()
                 holder = self.holder()
                 if holder is None:
                     continue
@@ -164,7 +166,7 @@ class RunLock:
         try:
             with self.path.open("rb") as stream:  # a lock record is a few hundred bytes: read no more than that
                 text = stream.read(LOCK_READ_BYTES).decode("utf-8", "replace")
-            stat = self.path.stat()
+            written = self.path.stat()
         except FileNotFoundError:
             return None
         except OSError:
@@ -175,7 +177,7 @@ class RunLock:
                 raise ValueError
         except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
             holder = {"unreadable": True}
-        holder["age_s"] = max(0.0, time.time() - stat.st_mtime)
+        holder["age_s"] = max(0.0, time.time() - written.st_mtime)
         return holder
 
     # ------------------------------------------------------------------------------ inside
@@ -198,6 +200,20 @@ class RunLock:
             stream.flush()
             os.fsync(stream.fileno())
         return True
+
+    def _refuse_special_file(self) -> None:
+        """A LOCK that is no file mima writes (a symlink, dangling or not, a folder, a FIFO) is no job's
+        lock: no waiting or taking over helps, so say what it is."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(mode):
+            return
+        kind = ("a symbolic link to " + os.readlink(self.path)) if stat.S_ISLNK(mode) else \
+            "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise MimaError(f"{self.path}: is {kind}, not a lock file of mima's (no mima job makes one); remove it "
+                        "and run the command again")
 
     def _stale(self, holder: dict) -> str | None:
         """Why the holder is gone (None: it may be alive)."""
