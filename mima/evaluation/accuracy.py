@@ -5,11 +5,12 @@ integers, so that results computed by several processes, or over several session
 The accuracy is derived from them as torchmetrics' MulticlassAccuracy (micro) computes it: the two
 counts as float32, divided in float32 (`accuracy_of`; tests/test_evaluate.py checks the equality).
 
-The evaluation loop keeps its running count on the device and reads it once per task: no host
-synchronisation per batch. It runs in the precision given (`EvalSettings.precision`): "32-true"
-(float32; TF32 matmuls are allowed on CUDA) or "bf16-mixed"/"16-mixed" (autocast over the
-encoder; the head's product stays in float32), and stops
-between two batches when `should_stop` says so (a SIGTERM or SIGUSR1 seen by `mima evaluate`).
+The evaluation loop records which images it classified correctly (`correct_images`, in the
+dataset's order: the per-image records that mima.evaluation.statistics compares models on), keeps
+them on the device and reads them once per task: no host synchronisation per batch. It runs in
+the precision given (`EvalSettings.precision`): "32-true" (float32; TF32 matmuls are allowed on
+CUDA) or "bf16-mixed"/"16-mixed" (autocast over the encoder; the head's product stays in float32),
+and stops between two batches when `should_stop` says so (a SIGTERM or SIGUSR1 seen by `mima evaluate`).
 
 An evaluator's passes share one set of `num_workers` loader workers with every other evaluator of
 its LoaderPool (mima.evaluation.loader_pool; a TaskPool's evaluators share the pool's): a process
@@ -24,6 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -84,14 +86,14 @@ def accuracy_of(correct: int, total: int) -> float:
 
 
 @torch.no_grad()
-def count_correct(encoder: nn.Module, head: torch.Tensor, loader: Iterable, precision: str = "32-true",
-                  should_stop: Callable[[], bool] | None = None) -> Counts:
-    """(correct, total) of the encoder with `head` over the (images, labels) batches of `loader`;
-    the count stays on the device until the end (one host synchronisation per call)."""
+def correct_images(encoder: nn.Module, head: torch.Tensor, loader: Iterable, precision: str = "32-true",
+                   should_stop: Callable[[], bool] | None = None) -> np.ndarray:
+    """Which images of `loader`'s (images, labels) batches the encoder with `head` classifies
+    correctly, in the loader's order (a boolean array, one entry per image); the per-batch results
+    stay on the device until the end (one host synchronisation per call)."""
     device = next(encoder.parameters()).device
     head = head.to(device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    total = 0
+    found: list[torch.Tensor] = []
     was_training = encoder.training
     encoder.eval()
     autocast = (torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
@@ -106,14 +108,24 @@ def count_correct(encoder: nn.Module, head: torch.Tensor, loader: Iterable, prec
             # the encoder in the chosen precision, the zero-shot head in float32: class logits of a
             # CLIP head lie close together, and a bfloat16 product (8-bit mantissa) flips near-ties
             logits = classify(nn.Identity(), head, features.float())
-            correct += (logits.argmax(dim=1) == labels.to(device, non_blocking=True)).sum()
-            total += int(labels.shape[0])
+            found.append(logits.argmax(dim=1) == labels.to(device, non_blocking=True))
     finally:
         encoder.train(was_training)
         # dropped now, not when a traceback holding this frame is collected: a loader's own workers
         # (not persistent) end with their iterator, and a LoaderPool's next pass may start others
         del batches
-    return int(correct), total
+    return torch.cat(found).cpu().numpy() if found else np.zeros(0, dtype=bool)
+
+
+def counts_of(correct: np.ndarray) -> Counts:
+    """(correct, total) of a per-image record."""
+    return int(np.count_nonzero(correct)), int(correct.shape[0])
+
+
+def count_correct(encoder: nn.Module, head: torch.Tensor, loader: Iterable, precision: str = "32-true",
+                  should_stop: Callable[[], bool] | None = None) -> Counts:
+    """(correct, total) of the encoder with `head` over the (images, labels) batches of `loader`."""
+    return counts_of(correct_images(encoder, head, loader, precision, should_stop))
 
 
 @torch.no_grad()
@@ -152,18 +164,26 @@ class TaskEvaluator:
         """Load weights strictly: a merged state dict must fit the encoder exactly."""
         self.encoder.load_state_dict(state_dict, strict=True)
 
+    def records(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None,
+                on_task: Callable[[str, np.ndarray], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> dict[str, np.ndarray]:
+        """Per task, which of its images (in the dataset's order) are classified correctly; `on_task`
+        hears each task's record as soon as it is known."""
+        self.load(state_dict)
+        found = {}
+        for name in tasks if tasks is not None else list(self.datasets):
+            found[name] = correct_images(self.encoder, self.heads[name], self.loader(name), self.settings.precision,
+                                         should_stop)
+            if on_task is not None:
+                on_task(name, found[name])
+        return found
+
     def counts(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None,
                on_task: Callable[[str, Counts], None] | None = None,
                should_stop: Callable[[], bool] | None = None) -> dict[str, Counts]:
         """(correct, total) per task; `on_task` hears each task's counts as soon as they are known."""
-        self.load(state_dict)
-        found = {}
-        for name in tasks if tasks is not None else list(self.datasets):
-            found[name] = count_correct(self.encoder, self.heads[name], self.loader(name), self.settings.precision,
-                                        should_stop)
-            if on_task is not None:
-                on_task(name, found[name])
-        return found
+        hear = None if on_task is None else (lambda name, correct: on_task(name, counts_of(correct)))
+        return {name: counts_of(correct) for name, correct in self.records(state_dict, tasks, hear, should_stop).items()}
 
     def accuracy(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None) -> dict[str, float]:
         return {name: accuracy_of(*counts) for name, counts in self.counts(state_dict, tasks).items()}

@@ -2,7 +2,11 @@
 
 A cell is one (run, model, hyperparameter point, split, task) of an evaluation, e.g. (runs/N4,
 "ties", {"k": 0.2, "lam": 1.1}, "val", "mnist"); its value is what the evaluation found: the
-integers (correct, total), or for the run's task-vector geometry the list of pairwise cosines. The
+integers (correct, total), or for the run's task-vector geometry the list of pairwise cosines. A
+count cell also holds its per-image record: which of the split's images (in the dataset's fixed
+order) the model classified correctly, packed one bit per image (mima.evaluation.statistics'
+pack_record: numpy.packbits in base64, 1,668 characters for 10,000 images), from which the counts
+are derived; the intervals and paired tests of the results are computed from these records. The
 results table is built from the cells, never from anything held in memory.
 
 On disk (in the evaluation folder, `mima evaluate --out`):
@@ -11,17 +15,21 @@ On disk (in the evaluation folder, `mima evaluate --out`):
                                  the precision, ...). A folder whose manifest differs belongs to
                                  another evaluation and is refused (or replaced with --overwrite).
     cells/<session>-p<rank>.jsonl one file per process and session, one JSON line per cell, appended
-                                 and fsynced as each cell finishes: {"cell", "value", "check"}.
+                                 and fsynced as each cell finishes: {"cell", "value", "images",
+                                 "check"} ("images": the per-image record of a count cell; a line
+                                 without it, written by an earlier mima, is still used, without
+                                 the paired tests its record would give).
 No file is ever written by two processes, and none is locked, so the folder may sit on a shared
 filesystem (Lustre, GPFS, NFS). A line cut short by a kill is ignored when reading (its cell is
 simply evaluated again).
 
 Every cell read back is checked before it is used (`value_problem`, `CellStore.load`): its "check"
-is a digest of the manifest it was recorded under, its identity and its value, so an edited line,
-or one copied from another evaluation, does not match; counts are whole numbers with
-0 <= correct <= total, and every cell of one (split, task) counts the same images; cosines are
-numbers in [-1, 1]. A bad line is left out (its cell is evaluated again) and named once per file
-in `CellStore.rejected`: a result is never built from it.
+is a digest of the manifest it was recorded under, its identity, its value and its per-image record,
+so an edited line, or one copied from another evaluation, does not match; counts are whole numbers
+with 0 <= correct <= total, and every cell of one (split, task) counts the same images; a per-image
+record holds exactly `total` images of which exactly `correct` are set; cosines are numbers in
+[-1, 1]. A bad line is left out (its cell is evaluated again) and named once per file in
+`CellStore.rejected`: a result is never built from it.
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mima.core.errors import MimaError
 from mima.core.files import read_json, write_json_atomic
+from mima.evaluation.statistics import pack_record, unpack_record
 
 GEOMETRY = "pairwise_cos_tau"  # the model of the cell holding a run's task-vector cosines (split and task "-")
 COSINE_SLACK = 1e-6  # a cosine computed in floating point may pass 1 by rounding
@@ -54,6 +65,17 @@ class Cell:
         return [self.run, self.model, self.point, self.split, self.task]
 
 
+@dataclass(frozen=True, eq=False)
+class ImageRecord:
+    """What `CellStore.record` takes for a count cell: which images the model classified correctly
+    (a boolean array in the split's order); the cell's value, the counts, is derived from it."""
+
+    correct: np.ndarray
+
+    def counts(self) -> list[int]:
+        return [int(np.count_nonzero(self.correct)), int(self.correct.shape[0])]
+
+
 def point_key(hparams: Mapping[str, object]) -> str:
     """Hyperparameters as the canonical text that names a cell (sorted keys, JSON numbers)."""
     return json.dumps(dict(hparams), sort_keys=True)
@@ -69,6 +91,7 @@ class CellStore:
         self.folder = Path(folder)
         self.own_file = self.folder / self.FOLDER / f"{session}-p{rank}.jsonl"
         self.values: dict[Cell, object] = {}
+        self.images: dict[Cell, str] = {}  # each count cell's per-image record, as recorded (pack_record)
         self.rejected: list[str] = []  # one line per cell file with lines left out by the last `load`
         self._fingerprint: str | None = None  # the manifest's digest, part of every cell's check
 
@@ -122,20 +145,25 @@ class CellStore:
         """Read every process's cells, each checked (the module text); returns how many cells are
         known. The files with lines left out are named in `rejected`, one line each."""
         found: dict[Cell, object] = {}
+        images: dict[Cell, str] = {}
         where: dict[Cell, tuple[Path, int]] = {}
         bad: dict[Path, list[tuple[int, str]]] = {}
         if self.cells_dir.is_dir():
             for path in sorted(self.cells_dir.glob("*.jsonl")):
-                cells, problems = read_checked_cells(path, self.fingerprint)
-                for cell, (number, value) in cells.items():
-                    found[cell], where[cell] = value, (path, number)
+                cells, problems = read_checked_entries(path, self.fingerprint)
+                for cell, (number, entry) in cells.items():
+                    found[cell], where[cell] = entry["value"], (path, number)
+                    images.pop(cell, None)  # a later line of the cell replaces an earlier one whole
+                    if "images" in entry:
+                        images[cell] = entry["images"]
                 if problems:
                     bad[path] = problems
         for cell, why in other_image_counts(found).items():
             path, number = where.pop(cell)
             del found[cell]
+            images.pop(cell, None)
             bad.setdefault(path, []).append((number, why))
-        self.values = found
+        self.values, self.images = found, images
         self.rejected = [describe_rejected(path, sorted(problems)) for path, problems in sorted(bad.items())]
         return len(self.values)
 
@@ -149,10 +177,22 @@ class CellStore:
                             "remove the cell files named there to evaluate their cells again")
         return self.values[cell]
 
+    def correct_images(self, cell: Cell) -> np.ndarray | None:
+        """The cell's per-image record (which images were classified correctly), or None where its
+        line has none (written by an earlier mima)."""
+        if cell not in self.images:
+            return None
+        return unpack_record(self.images[cell], self.get(cell)[1])  # checked when read: cannot fail
+
     def record(self, cell: Cell, value: object) -> None:
-        """Append the cell to this process's file and force it to disk before going on."""
-        line = json.dumps({"cell": cell.as_list(), "value": value,
-                           "check": cell_check(self.fingerprint, cell.as_list(), value)}) + "\n"
+        """Append the cell to this process's file and force it to disk before going on. `value`: the
+        counts, the cosines, or an ImageRecord (stored as its counts and its packed record)."""
+        images = None
+        if isinstance(value, ImageRecord):
+            value, images = value.counts(), pack_record(value.correct)
+        entry = {"cell": cell.as_list(), "value": value, **({} if images is None else {"images": images}),
+                 "check": cell_check(self.fingerprint, cell.as_list(), value, images)}
+        line = json.dumps(entry) + "\n"
         self.own_file.parent.mkdir(parents=True, exist_ok=True)
         data = line.encode("utf-8")
         handle = os.open(self.own_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -168,20 +208,29 @@ class CellStore:
         finally:
             os.close(handle)
         self.values[cell] = value
+        self.images.pop(cell, None)
+        if images is not None:
+            self.images[cell] = images
 
     def missing(self, cells: Iterable[Cell]) -> list[Cell]:
         return [cell for cell in cells if cell not in self.values]
 
 
 def read_checked_cells(path: Path, fingerprint: str) -> tuple[dict[Cell, tuple[int, object]], list[tuple[int, str]]]:
-    """The good cells of one file with their line numbers, and (line number, why) for each bad
-    line (a last line cut by a kill is neither: it was never finished)."""
-    found: dict[Cell, tuple[int, object]] = {}
+    """The good cells of one file with their line numbers and values, and (line number, why) for
+    each bad line (a last line cut by a kill is neither: it was never finished)."""
+    found, problems = read_checked_entries(path, fingerprint)
+    return {cell: (number, entry["value"]) for cell, (number, entry) in found.items()}, problems
+
+
+def read_checked_entries(path: Path, fingerprint: str) -> tuple[dict[Cell, tuple[int, dict]], list[tuple[int, str]]]:
+    """As `read_checked_cells`, with each good line's whole entry (value, per-image record)."""
+    found: dict[Cell, tuple[int, dict]] = {}
     problems: list[tuple[int, str]] = []
     for number, entry in _complete_lines(path):
         why = line_problem(entry, fingerprint)
         if why is None:
-            found[Cell(*entry["cell"])] = (number, entry["value"])
+            found[Cell(*entry["cell"])] = (number, entry)
         else:
             problems.append((number, why))
     return found, problems
@@ -206,9 +255,11 @@ def manifest_fingerprint(manifest: Mapping) -> str:
     return hashlib.sha256(json.dumps(_comparable(manifest), sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
 
-def cell_check(fingerprint: str, cell: list, value: object) -> str:
-    """The digest that binds a cell's identity and value to the evaluation it was recorded in."""
-    return hashlib.sha256(json.dumps([fingerprint, cell, value]).encode("utf-8")).hexdigest()[:16]
+def cell_check(fingerprint: str, cell: list, value: object, images: object = None) -> str:
+    """The digest that binds a cell's identity, value and per-image record (where it has one) to the
+    evaluation it was recorded in."""
+    content = [fingerprint, cell, value] + ([] if images is None else [images])
+    return hashlib.sha256(json.dumps(content).encode("utf-8")).hexdigest()[:16]
 
 
 def line_problem(entry: object, fingerprint: str) -> str | None:
@@ -219,10 +270,28 @@ def line_problem(entry: object, fingerprint: str) -> str | None:
     if not isinstance(cell, list) or len(cell) != 5 or not all(isinstance(part, str) for part in cell):
         return "its cell is not five names (run, model, point, split, task)"
     why = value_problem(Cell(*cell), entry["value"])  # first: an impossible value says more than its digest
-    if why is None and entry.get("check") != cell_check(fingerprint, cell, entry["value"]):
+    if why is None and entry.get("check") != cell_check(fingerprint, cell, entry["value"], entry.get("images")):
         why = ("no check digest (written by an earlier mima)" if "check" not in entry else
                "its check digest does not match its content (edited, or from another evaluation)")
+    if why is None and "images" in entry:  # a record the digest matches but the counts do not: forged
+        why = images_problem(Cell(*cell), entry["value"], entry["images"])
     return why
+
+
+def images_problem(cell: Cell, value: object, images: object) -> str | None:
+    """Why `images` cannot be the per-image record of `cell` with counts `value` (None: it can)."""
+    if cell.model == GEOMETRY:
+        return "a per-image record on the cosines cell"
+    correct, total = value
+    if not isinstance(images, str):
+        return f"its per-image record {_short(images)} is not text"
+    try:
+        record = unpack_record(images, total)
+    except ValueError as error:
+        return f"its per-image record is not one of {total} images ({error})"
+    if int(np.count_nonzero(record)) != correct:
+        return f"its per-image record has {int(np.count_nonzero(record))} correct images, its count {correct}"
+    return None
 
 
 def value_problem(cell: Cell, value: object) -> str | None:

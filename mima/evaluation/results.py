@@ -25,12 +25,36 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import fmean, stdev
 
+from mima.evaluation.statistics import ALPHA, excludes_zero
+
 MEAN_OVER_SEEDS = "mean"  # the `seed` of an aggregate row
 
 
 @dataclass
+class Comparison:
+    """One model against another of the same run or seed (`N`, `model`) on the same test images
+    (mima.evaluation.significance chooses the pairs, mima.evaluation.statistics computes the numbers)."""
+
+    N: int  # the other model's N (the same seed)
+    model: str
+    difference: float  # mean over tasks of this model's accuracy minus the other's
+    interval: tuple[float, float]  # its paired bootstrap 95 % interval
+    p_values: dict[str, float]  # per task, the exact McNemar p-value
+
+    @property
+    def distinguishable(self) -> bool:
+        """The difference of the means is distinguishable at 95 % (its interval excludes 0)."""
+        return excludes_zero(self.interval)
+
+    def distinguishable_tasks(self) -> list[str]:
+        """The tasks whose difference is distinguishable at 95 % (McNemar p < 0.05)."""
+        return [task for task, p in self.p_values.items() if p < ALPHA]
+
+
+@dataclass
 class ModelResult:
-    """One model's per-task test accuracies at one N and seed (plus what was chosen for it)."""
+    """One model's per-task test accuracies at one N and seed (plus what was chosen for it, and,
+    where per-image records were evaluated, the counts, 95 % intervals and paired comparisons)."""
 
     N: int
     model: str
@@ -39,6 +63,9 @@ class ModelResult:
     hparams: dict[str, object] = field(default_factory=dict)
     validation_accuracy: float | None = None
     seed: int | None = None  # the run's seed_everything
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # per task (correct, total)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per task and "mean": 95 % interval
+    comparisons: list[Comparison] = field(default_factory=list)
 
     @property
     def mean(self) -> float:

@@ -13,6 +13,13 @@ With several seeds at some N:
     results.md    summary cells "mean ± std" where an N has several seeds; per such N the mean ± std
                   table, then one table per seed
     selection.json each entry also names its seed
+Where the results come from per-image records (`mima evaluate`; mima.evaluation.significance), each
+per-run row also holds (the fields above unchanged):
+    task rows     correct, images (the counts), ci95 [low, high] (Wilson), paired: one entry per
+                  comparison {N, model, p_value (exact McNemar), distinguishable (p < 0.05)}
+    "mean" rows   ci95 (bootstrap over the images), paired: {N, model, difference, ci95 (paired
+                  bootstrap), distinguishable (ci95 excludes 0)}
+(the other model of a pair: that N and model, the same seed; intervals as fractions, like accuracy).
 The rows and aggregates are mima.evaluation.results', the Markdown mima.evaluation.tables'.
 """
 
@@ -28,6 +35,7 @@ from mima.core.files import read_json, write_json_atomic, write_text_atomic
 from mima.core.run_folder import SweepFolder
 from mima.evaluation.results import (
     MEAN_OVER_SEEDS,
+    Comparison,
     ModelResult,
     fine_tuned_by_run,
     relative_accuracy,
@@ -47,9 +55,10 @@ def results_rows(results: Sequence[ModelResult]) -> list[dict]:
         cos = result.mean_cos_tau if result.model == "fine_tuned" else None
         seed = {"seed": result.seed} if with_seed else {}
         for task, value in result.accuracy.items():
-            rows.append({"N": result.N, "model": result.model, "task": task, **seed, "accuracy": value, "mean_cos_tau": cos})
+            rows.append({"N": result.N, "model": result.model, "task": task, **seed, "accuracy": value, "mean_cos_tau": cos,
+                         **_task_statistics(result, task)})
         rows.append({"N": result.N, "model": result.model, "task": "mean", **seed, "accuracy": result.mean,
-                     "mean_cos_tau": cos})
+                     "mean_cos_tau": cos, **_mean_statistics(result)})
     for summary in seed_summaries(results):
         cos = summary.mean_cos_tau()
         for task in [*summary.tasks, "mean"]:
@@ -60,6 +69,49 @@ def results_rows(results: Sequence[ModelResult]) -> list[dict]:
                 "mean_cos_tau": cos[0] if cos else None, "mean_cos_tau_std": cos[1] if cos else None,
             })
     return rows
+
+
+def _task_statistics(result: ModelResult, task: str) -> dict:
+    """A task row's counts, interval and paired tests (none where the result has no records)."""
+    if task not in result.intervals:
+        return {}
+    correct, total = result.counts[task]
+    paired = [{"N": other.N, "model": other.model, "p_value": other.p_values[task],
+               "distinguishable": task in other.distinguishable_tasks()} for other in result.comparisons]
+    return {"correct": correct, "images": total, "ci95": list(result.intervals[task]), "paired": paired}
+
+
+def _mean_statistics(result: ModelResult) -> dict:
+    if "mean" not in result.intervals:
+        return {}
+    paired = [{"N": other.N, "model": other.model, "difference": other.difference, "ci95": list(other.interval),
+               "distinguishable": other.distinguishable} for other in result.comparisons]
+    return {"ci95": list(result.intervals["mean"]), "paired": paired}
+
+
+def _read_statistics(result: ModelResult, row: Mapping) -> None:
+    """What `_task_statistics` and `_mean_statistics` wrote, back into `result`."""
+    if "ci95" not in row:
+        return
+    task = row["task"]
+    result.intervals[task] = (float(row["ci95"][0]), float(row["ci95"][1]))
+    if task == "mean":
+        for entry in row["paired"]:
+            comparison = _comparison(result, entry)
+            comparison.difference, comparison.interval = float(entry["difference"]), tuple(map(float, entry["ci95"]))
+        return
+    result.counts[task] = (int(row["correct"]), int(row["images"]))
+    for entry in row["paired"]:
+        _comparison(result, entry).p_values[task] = float(entry["p_value"])
+
+
+def _comparison(result: ModelResult, entry: Mapping) -> Comparison:
+    """`result`'s comparison with the row `entry` names (made when first met)."""
+    for comparison in result.comparisons:
+        if (comparison.N, comparison.model) == (entry["N"], entry["model"]):
+            return comparison
+    result.comparisons.append(Comparison(int(entry["N"]), entry["model"], float("nan"), (float("nan"), float("nan")), {}))
+    return result.comparisons[-1]
 
 
 def csv_text(results: Sequence[ModelResult]) -> str:
@@ -101,7 +153,8 @@ def _fmt(value) -> str:
 
 def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
     """The per-run ModelResults of a results folder (results.json, with the choices from
-    selection.json); the aggregate rows over seeds are left out (seed_summaries recomputes them)."""
+    selection.json, and the counts, intervals and comparisons where the rows hold them); the
+    aggregate rows over seeds are left out (seed_summaries recomputes them)."""
     sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
     rows = read_json(sweep.results_json, expect=list)
     selection_file = sweep.selection_json
@@ -121,6 +174,7 @@ def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
                                        entry.get("validation_accuracy"), seed=seed)
         if row["task"] != "mean":
             results[key].accuracy[row["task"]] = float(row["accuracy"])
+        _read_statistics(results[key], row)
     return list(results.values())
 
 

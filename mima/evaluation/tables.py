@@ -2,7 +2,9 @@
 accuracy, single-task gap, per-task accuracy), the summary across N, and results.md's text.
 
 A cell of an N with several seeds is the mean ± the sample standard deviation over them
-(mima.evaluation.results computes both).
+(mima.evaluation.results computes both). Results with per-image records (`mima evaluate`) add, per
+run, the 95 % intervals and paired comparisons (`significance_table`; a difference in bold is
+distinguishable at 95 %).
 """
 
 from __future__ import annotations
@@ -80,6 +82,48 @@ def seeds_table(results: Sequence[ModelResult], n: int) -> Table:
     return header, rows
 
 
+SIGNIFICANCE_NOTE = (
+    "95 % intervals and paired tests on the same test images (mima.evaluation.statistics): the mean accuracy "
+    "with its bootstrap interval over the images; against another model of the run (or the same model at the "
+    "smallest N), the difference of the mean accuracies in points with its paired bootstrap interval, **in bold** "
+    "where it is distinguishable at 95 % (the interval excludes 0), then the tasks whose exact McNemar test "
+    "gives p < 0.05.")
+
+
+def _points(value: float) -> str:
+    return f"{100 * value:+.1f}"
+
+
+def _comparison_cell(comparison) -> str:
+    """'**+1.2** [+0.4, +2.0]; mnist, svhn' (bold: distinguishable; the tasks: McNemar p < 0.05)."""
+    difference = _points(comparison.difference)
+    low, high = comparison.interval
+    cell = f"{f'**{difference}**' if comparison.distinguishable else difference} [{_points(low)}, {_points(high)}]"
+    tasks = comparison.distinguishable_tasks()
+    return cell + (f"; {', '.join(tasks)}" if tasks else "")
+
+
+def significance_table(results: Sequence[ModelResult], n: int, seed: int | None) -> Table | None:
+    """The run's mean accuracies with their 95 % intervals and its paired comparisons (one column
+    per model compared with: 'vs uniform', 'vs N=1', ...), or None without per-image records."""
+    rows_of_run = [r for r in results if r.N == n and r.seed == seed and "mean" in r.intervals]
+    if not rows_of_run:
+        return None
+    def column(comparison) -> str:  # another N: the same model there
+        return f"vs {comparison.model}" if comparison.N == n else f"vs N={comparison.N}"
+
+    # the run's own models first (the order met), then the other N
+    met = list(dict.fromkeys((c.N != n, column(c)) for r in rows_of_run for c in r.comparisons))
+    columns = [name for _, name in sorted(met, key=lambda key: key[0])]
+    rows = []
+    for result in rows_of_run:
+        low, high = result.intervals["mean"]
+        by_column = {column(c): c for c in result.comparisons}
+        cells = [result.model, f"{100 * result.mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]"]
+        rows.append(cells + [_comparison_cell(by_column[name]) if name in by_column else "" for name in columns])
+    return ["model", "mean acc (%) [95 % CI]", *columns], rows
+
+
 def n_table(results: Sequence[ModelResult], n: int) -> Table:
     """Table 1 of paper 001 at one N: the run's table, or the mean ± std over seeds where N has several."""
     seeds = seeds_at(results, n)
@@ -133,4 +177,7 @@ def markdown_text(
             if fine_tuned and fine_tuned.mean_cos_tau is not None:
                 lines += [f"Mean pairwise cosine of the final task vectors: {fine_tuned.mean_cos_tau:.3f}", ""]
             lines += markdown_table(*run_table(results, n, seed))
+            significance = significance_table(results, n, seed)
+            if significance is not None:
+                lines += ["", SIGNIFICANCE_NOTE, ""] + markdown_table(*significance)
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """The results of an evaluation, built from its recorded cells once every process is done:
-ModelResult rows (zero_shot, fine_tuned, [joint], one per merge at its chosen point; per run),
+ModelResult rows (zero_shot, fine_tuned, [joint], one per merge at its chosen point; per run), with
+the 95 % intervals and paired comparisons of their per-image records (mima.evaluation.significance),
 written as results.json/.csv/.md and selection.json with the plots, all at once (a failure leaves
 the earlier set), so that they equal those of an uninterrupted evaluation.
 """
@@ -18,6 +19,7 @@ from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
 from mima.evaluation.results import ModelResult, training_setup
 from mima.evaluation.results_files import write_results
+from mima.evaluation.significance import TaskRecord, add_statistics
 from mima.evaluation.tables import markdown_text
 
 Pairwise = dict[int, list[float]]  # each N's task-vector cosines, over its runs
@@ -26,38 +28,58 @@ Pairwise = dict[int, list[float]]  # each N's task-vector cosines, over its runs
 def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelResult], Pairwise]:
     """The results rows (zero_shot, fine_tuned, [joint], one per merge; per run) from the cells."""
     tasks = evaluation.tasks
+    cells: dict[tuple, tuple[str, str, str]] = {}  # (N, seed, model) of a row -> the (run, model, point) of its cells
 
     def accuracies(run_id: str, model: str, point: str) -> dict[str, float]:
         return {task: accuracy_of(*store.get(Cell(run_id, model, point, "test", task))) for task in tasks}
 
+    def measured(result: ModelResult, run_id: str, point: str) -> ModelResult:
+        cells[(result.N, result.seed, result.model)] = (run_id, result.model, point)
+        return result
+
     several_seeds = len({(int(c.model.iterations), c.seed) for c in evaluation.configs}) > \
         len({int(c.model.iterations) for c in evaluation.configs})
-    zero_shot = accuracies(evaluation.run_id(evaluation.runs[0]), "zero_shot", NO_POINT)
-    joint = accuracies(evaluation.run_id(evaluation.joint), JOINT, NO_POINT) if evaluation.joint else None
+    zero_shot_run = evaluation.run_id(evaluation.runs[0])
+    zero_shot = accuracies(zero_shot_run, "zero_shot", NO_POINT)
+    joint_run = evaluation.run_id(evaluation.joint) if evaluation.joint else None
+    joint = accuracies(joint_run, JOINT, NO_POINT) if joint_run else None
     results, pairwise = [], {}
     for run, config in zip(evaluation.runs, evaluation.configs):
         run_id, n, seed = evaluation.run_id(run), int(config.model.iterations), config.seed
         geometry = store.get(Cell(run_id, GEOMETRY, NO_POINT, "-", "-"))
-        own = [ModelResult(n, "zero_shot", dict(zero_shot), seed=seed),
-               ModelResult(n, "fine_tuned", accuracies(run_id, "fine_tuned", NO_POINT), mean_cos_tau=geometry["mean"], seed=seed)]
+        own = [measured(ModelResult(n, "zero_shot", dict(zero_shot), seed=seed), zero_shot_run, NO_POINT),
+               measured(ModelResult(n, "fine_tuned", accuracies(run_id, "fine_tuned", NO_POINT),
+                                    mean_cos_tau=geometry["mean"], seed=seed), run_id, NO_POINT)]
         if joint is not None:  # one model for every run, like zero_shot; placed after fine_tuned
-            own.append(ModelResult(n, JOINT, dict(joint), seed=seed))
+            own.append(measured(ModelResult(n, JOINT, dict(joint), seed=seed), joint_run, NO_POINT))
         for method in evaluation.methods:
             grid = evaluation.grid(method)
             if not grid:
                 hparams = full_point(method, {}, None)
-                own.append(ModelResult(n, method.name, accuracies(run_id, method.name, point_key(hparams)),
-                                       hparams=hparams, seed=seed))
+                point = point_key(hparams)
+                own.append(measured(ModelResult(n, method.name, accuracies(run_id, method.name, point),
+                                                hparams=hparams, seed=seed), run_id, point))
                 continue
             best = recorded_best(store, run_id, method, grid, tasks)
-            own.append(ModelResult(n, method.name, accuracies(run_id, method.name, point_key(best.point)),
-                                   hparams=best.point, validation_accuracy=best.score, seed=seed))
+            point = point_key(best.point)
+            own.append(measured(ModelResult(n, method.name, accuracies(run_id, method.name, point),
+                                            hparams=best.point, validation_accuracy=best.score, seed=seed), run_id, point))
         label = f"N={n}, seed {seed}" if several_seeds else f"N={n}"
         summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in own if r.model != "zero_shot")
         print(f"{label}: cos(tau) {geometry['mean']:.3f}; {summary}")
         results += own
         pairwise.setdefault(n, []).extend(geometry["pairs"])
+    add_statistics(results, {key: records_on_test(store, *where, tasks) for key, where in cells.items()})
     return results, pairwise
+
+
+def records_on_test(store: CellStore, run_id: str, model: str, point: str, tasks: list[str]) -> dict[str, TaskRecord]:
+    """Per task, the test cell's counts and per-image record (None where its line has none)."""
+    found = {}
+    for task in tasks:
+        cell = Cell(run_id, model, point, "test", task)
+        found[task] = (tuple(store.get(cell)), store.correct_images(cell))
+    return found
 
 
 def selection_extra(evaluation: Evaluation, extra: dict | None) -> dict:

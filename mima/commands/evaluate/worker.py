@@ -14,7 +14,7 @@ from mima.commands.evaluate.grid_search import full_point, grid_merges, merge_at
 from mima.core.run_folder import JOINT
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings
-from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
+from mima.evaluation.cells import GEOMETRY, Cell, CellStore, ImageRecord, point_key
 from mima.merging import get_method
 from mima.merging.selection import BestPoint
 from mima.pools import TaskPool, task_pool
@@ -57,9 +57,11 @@ class Worker:
             return
         pool = self._pool()
         evaluator = pool.evaluator(split, self.settings, self.evaluation.val_examples if split == "val" else None)
-        evaluator.counts(weights() if callable(weights) else weights, missing,
-                         on_task=lambda task, counts: self.store.record(Cell(run_id, model, point, split, task), list(counts)),
-                         should_stop=self.should_stop)
+        # each cell with its per-image record (which images were right): the results' intervals and paired tests
+        evaluator.records(weights() if callable(weights) else weights, missing,
+                          on_task=lambda task, correct: self.store.record(Cell(run_id, model, point, split, task),
+                                                                          ImageRecord(correct)),
+                          should_stop=self.should_stop)
 
     def run(self, unit: Unit) -> None:
         evaluation = self.evaluation

@@ -29,7 +29,8 @@ from mima.core.errors import MimaError
 from mima.core.files import atomic_folder, refuse_overwrite
 from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.evaluation.results_files import read_results
-from mima.evaluation.tables import markdown_table, n_table, summary_table
+from mima.evaluation.results import seeds_at
+from mima.evaluation.tables import SIGNIFICANCE_NOTE, markdown_table, n_table, significance_table, summary_table
 from mima.config.run_config import load_run_config
 
 # What each plot shows, for the page's captions (file name -> caption); unknown PNGs get their name.
@@ -161,9 +162,20 @@ def results_section(page: Page, folder: Path) -> None:
     page.text("Per N: absolute accuracy; relative accuracy (merged accuracy on each task over that task's fine-tuned "
               "model, averaged); single-task gap (fine-tuned minus merged, in points); per-task accuracy; the chosen "
               "hyperparameters.")
+    noted = False  # the intervals' note once, before the first of their tables
     for n in sorted({r.N for r in results}):
         page.text(f"**N = {n}**")
         page.table(*n_table(results, n))
+        seeds = seeds_at(results, n)
+        for seed in seeds:
+            significance = significance_table(results, n, seed)
+            if significance is None:
+                continue
+            if not noted:
+                page.text(SIGNIFICANCE_NOTE)
+                noted = True
+            page.text(f"N = {n}{'' if len(seeds) == 1 else f', seed {seed}'}: 95 % intervals and paired tests")
+            page.table(*significance)
     for name in ("merged_accuracy_vs_N.png", "cosine_vs_N.png"):
         if (folder / name).is_file():
             page.image(folder / name, CAPTIONS[name])
