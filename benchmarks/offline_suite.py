@@ -12,6 +12,14 @@ config whose `data.custom_tasks` name your own image folders:
     python benchmarks/offline_suite.py                                  # configs/offline.yaml
     python benchmarks/offline_suite.py --config my_tasks.yaml --iterations 1 4 --out runs/mine
 
+With --seeds, every N is trained once per seed (seed_everything and data.seed), into
+OUT/runs/N<n>-seed<s>/; the tables show the mean +- sample standard deviation over the seeds and
+results.json keeps each seed's rows beside the aggregate ones. A stopped sweep resumes seed by seed
+(finished (N, seed) runs are kept), and a finished one run again with more seeds trains only those:
+
+    python benchmarks/offline_suite.py --seeds 0 1 2 --out runs/offline_seeds
+    python benchmarks/offline_suite.py --config configs/offline.yaml configs/offline/t12.yaml --seeds 0 1 2  # T = 12
+
 With --sync-merges, the sweep runs once per phase-end operator (`model.sync_merge`, e.g. `uniform
 task_arithmetic ties`; `uniform` is MIMA, task_arithmetic is ATM) into OUT/sync-<name>/, and one
 table compares them: (sync operator, N) x final merge, with the joint baseline (trained once,
@@ -23,8 +31,11 @@ Needs the offline assets: `bash tests/setup_assets.sh`.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -37,6 +48,7 @@ from mima.core.errors import MimaError
 from mima.merging import MERGE_METHODS
 from mima.commands.sweep import run_sweep
 from mima.config.run_config import load_run_config
+from mima.config.source import read_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,10 +60,15 @@ def data_free_methods() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml", help="a `mima fit` config")
+    parser.add_argument("--config", type=Path, nargs="+", default=[ROOT / "configs" / "offline.yaml"],
+                        help="a `mima fit` config; several: later files override earlier ones, option by option "
+                        "(e.g. configs/offline.yaml configs/offline/t12.yaml: the offline task family at T = 12)")
     parser.add_argument("--out", type=Path, default=Path("runs/offline_suite"), help="output folder")
     parser.add_argument("--iterations", type=int, nargs="+", default=[1, 2, 4, 8], help="values of N")
     parser.add_argument("--merges", nargs="+", default=None, help="merge strategies (default: every data-free one)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="train every N once per seed (seed_everything and data.seed), in runs/N<n>-seed<s>; "
+                        "tables show mean +- std over seeds (default: one run per N, the config's seeds)")
     parser.add_argument("--no-select", action="store_true", help="papers' default hyperparameters, no validation search")
     probes = parser.add_mutually_exclusive_group()
     probes.add_argument("--probe-shots", type=int,
@@ -69,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.sync_merges:
         return compare_sync_merges(options)
     try:
-        config = load_run_config(options.config).as_dict()  # the values `mima fit --config` would use
+        config = suite_config(options.config)  # the values `mima fit --config` would use
         if options.probe_shots is not None or options.full_probes:
             config["model"]["probe_shots"] = options.probe_shots  # None for --full-probes
         run_sweep(
@@ -80,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             select_on_val=not options.no_select,
             overwrite=options.overwrite,
             progress=not options.no_progress,
-            title=f"MIMA sweep ({options.config.name})",
-            extra={"config": str(options.config), "probe_shots": config["model"]["probe_shots"]},
+            title=f"MIMA sweep ({' + '.join(path.name for path in options.config)})",
+            extra={"config": config_label(options.config), "probe_shots": config["model"]["probe_shots"]},
             joint=options.joint,
+            seeds=options.seeds,
         )
     except MimaError as exc:
         print(f"offline_suite: error: {exc}", file=sys.stderr)
@@ -90,10 +108,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def suite_config(paths: Sequence[Path]) -> dict:
+    """The `mima fit` config (every value, defaults included) of one config file, or of several read
+    as `mima fit --config A --config B` reads them: a later file's options replace the earlier ones',
+    section by section (configs/offline/t12.yaml sets only data.tasks)."""
+    if len(paths) == 1:
+        return load_run_config(paths[0]).as_dict()
+    merged: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise MimaError(f"--config {path}: no such file (several --config files are YAML files, not run folders)")
+        for key, value in read_config_file(path, f"--config {path}").items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+                merged[key] = {**merged[key], **copy.deepcopy(dict(value))}
+            else:
+                merged[key] = copy.deepcopy(value)
+    return load_run_config(merged).as_dict()
+
+
+def config_label(paths: Sequence[Path]) -> str:
+    """The config files as selection.json records them (one file: its path, as before)."""
+    return " + ".join(str(path) for path in paths)
+
+
 def compare_sync_merges(options) -> int:
     """One sweep per phase-end operator, then the comparison table and plot."""
     try:
-        base_config = load_run_config(options.config).as_dict()
+        base_config = suite_config(options.config)
         if options.probe_shots is not None or options.full_probes:
             base_config["model"]["probe_shots"] = options.probe_shots
         merges = options.merges or ["uniform", "task_arithmetic", "ties", "tsv"]
@@ -109,14 +150,23 @@ def compare_sync_merges(options) -> int:
             results = run_sweep(config, folder, iterations=iterations, merges=merges,
                                 select_on_val=not options.no_select, overwrite=options.overwrite,
                                 progress=not options.no_progress, title=f"MIMA sweep, sync {operator}",
-                                extra={"config": str(options.config), "sync_merge": operator},
-                                joint=options.joint and position == 0)
-            tables[operator] = {(r.N, r.model): r.mean for r in results}
+                                extra={"config": config_label(options.config), "sync_merge": operator},
+                                joint=options.joint and position == 0, seeds=options.seeds)
+            tables[operator] = mean_over_seeds(results)
     except MimaError as exc:
         print(f"offline_suite: error: {exc}", file=sys.stderr)
         return 2
     write_sync_comparison(tables, merges, options.iterations, options.out)
     return 0
+
+
+def mean_over_seeds(results) -> dict[tuple[int, str], float]:
+    """Mean test accuracy per (N, model): over the seeds where the sweep has several (one run per N:
+    that run's accuracy itself)."""
+    by_key: dict[tuple[int, str], list[float]] = {}
+    for result in results:
+        by_key.setdefault((result.N, result.model), []).append(result.mean)
+    return {key: statistics.fmean(values) for key, values in by_key.items()}
 
 
 NO_SYNC = "any (no sync at N = 1)"

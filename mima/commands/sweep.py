@@ -5,6 +5,11 @@ run, the Table-1 style results (results.json / .csv / .md, selection.json) and t
 any config file (the offline suite's, or a user's custom image-folder tasks); `mima evaluate`
 (mima.commands.evaluate.runs) is its second half for runs that already exist (e.g. the SLURM sweep's, one
 per N and seed, which slurm/evaluate_sweep.sbatch evaluates).
+
+With `seeds`, the sweep fits once per (N, seed) into runs/N<n>-seed<s> (seed_everything and
+data.seed both set to s), and the table adds the mean and sample standard deviation over the seeds
+beside the per-seed rows (mima.evaluation.results_files). Without it, one run per N in runs/N<n> with
+the config's own seeds, as always.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from pathlib import Path
 
 from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
+from mima.core.files import read_json
 from mima.core.plan import check_budget
-from mima.core.run_folder import JOINT, SweepFolder
+from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.commands.evaluate.runs import data_free_per_model, evaluate_runs
 from mima.evaluation.results import ModelResult
 from mima.config.model import ModelSettings
@@ -39,12 +45,18 @@ def run_sweep(
     title: str = "mima sweep",
     extra: dict | None = None,
     joint: bool = False,
+    seeds: Sequence[int] | None = None,
 ) -> list[ModelResult]:
     """Fit `config` (a `mima fit` config dict) once per N in `iterations` (runs in the sweep folder's
-    runs/N<n>), and with `joint` once more as the joint multi-task baseline (runs/joint: one model
-    trained on all tasks for the same S steps), then `evaluate_runs`. Runs already in the folder
-    are resumed (finished ones kept) unless `overwrite`, which trains them anew."""
+    runs/N<n>; with `seeds`, once per N and seed in runs/N<n>-seed<s>, seed by seed), and with
+    `joint` once more as the joint multi-task baseline (runs/joint: one model trained on all tasks for
+    the same S steps; with `seeds`, at the first seed), then `evaluate_runs`. Runs already in the
+    folder are resumed (finished ones kept: each (N, seed) on its own) unless `overwrite`, which
+    trains them anew. A results table already in the folder is refused without `overwrite`, except
+    one that a sweep over seeds wrote, which a sweep over seeds replaces (so that more seeds can be
+    added to a finished sweep)."""
     started = time.time()
+    check_seeds(seeds)
     model = load_run_config(config).model  # checked and defaulted as `mima fit` would
     steps = model.steps  # S, or S_t per task
     budgets = steps if isinstance(steps, Mapping) else {"": steps}
@@ -55,18 +67,22 @@ def run_sweep(
         raise MimaError("model.steps: the joint baseline trains every task for one S; per-task budgets need --no-joint")
     methods = data_free_per_model(merges)
     sweep = SweepFolder(out_dir)
-    sweep.prepare(overwrite)
+    # a sweep over seeds replaces its own table when run again (e.g. with one more seed); any other
+    # table in the folder is refused without `overwrite`, as always
+    sweep.prepare(overwrite or (seeds is not None and is_seed_sweep(sweep)))
     _quiet_lightning()
-    print(f"{title}: S={steps} steps per task, N in {list(iterations)}")
+    seeds_note = "" if seeds is None else f", seeds {list(seeds)}"
+    print(f"{title}: S={steps} steps per task, N in {list(iterations)}{seeds_note}")
     prepare_embedded_model(model, progress)
     run_dirs = []
-    settings = [({"iterations": n}, sweep.run(n), f"N={n}") for n in iterations]
-    if joint:
-        settings.append(({"mode": JOINT, "iterations": 1}, sweep.joint_run(), JOINT))
-    for model_settings, run_folder, label in settings:
+    settings = run_settings(sweep, iterations, seeds, joint)
+    for model_settings, seed, run_folder, label in settings:
         run_started = time.time()
         run_config = copy.deepcopy(dict(config))
         run_config["model"] = {**run_config.get("model", {}), **model_settings}
+        if seed is not None:
+            run_config["seed_everything"] = seed
+            run_config["data"] = {**(run_config.get("data") or {}), "seed": seed}
         run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
         run_config.update(out=str(run_folder.path), overwrite=overwrite)
         if not overwrite and run_folder.config_file.is_file():
@@ -81,10 +97,49 @@ def run_sweep(
             raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
         run_dirs.append(result.run_dir)
         print(f"{label}: trained in {time.time() - run_started:.0f} s")
+    if seeds is not None:  # selection.json records them beside the caller's extra
+        extra = {**(extra or {}), "seeds": list(seeds)}
     return evaluate_runs(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
         extra=extra, started=started,
     )
+
+
+RunSetting = tuple[dict, int | None, RunFolder, str]  # model settings, seed (None: the config's), folder, label
+
+
+def run_settings(sweep: SweepFolder, iterations: Sequence[int], seeds: Sequence[int] | None,
+                 joint: bool) -> list[RunSetting]:
+    """The sweep's fits in order: one per N (runs/N<n>), or with `seeds` one per seed and N
+    (runs/N<n>-seed<s>, every N of a seed before the next seed), then the joint baseline's."""
+    if seeds is None:
+        settings = [({"iterations": n}, None, sweep.run(n), f"N={n}") for n in iterations]
+    else:
+        settings = [({"iterations": n}, seed, sweep.run(n, seed), f"N={n}, seed {seed}")
+                    for seed in seeds for n in iterations]
+    if joint:
+        seed = None if seeds is None else seeds[0]
+        settings.append(({"mode": JOINT, "iterations": 1}, seed, sweep.joint_run(), JOINT))
+    return settings
+
+
+def is_seed_sweep(sweep: SweepFolder) -> bool:
+    """The folder's table was written by a sweep over seeds (its selection.json names the seeds)."""
+    return sweep.selection_json.is_file() and "seeds" in read_json(sweep.selection_json)
+
+
+def check_seeds(seeds: Sequence[int] | None) -> None:
+    """`seeds` as a sweep takes them: None, or a non-empty list of distinct whole numbers."""
+    if seeds is None:
+        return
+    if not seeds:
+        raise MimaError("--seeds: give at least one seed")
+    repeated = sorted({seed for seed in seeds if list(seeds).count(seed) > 1})
+    if repeated:
+        raise MimaError(f"--seeds: seed {repeated[0]} is given more than once (one run per N and seed)")
+    negative = [seed for seed in seeds if seed < 0]
+    if negative:
+        raise MimaError(f"--seeds: seed {negative[0]} is negative; expected seeds of 0 or more")
 
 
 def prepare_embedded_model(model: ModelSettings, progress: bool) -> None:

@@ -23,6 +23,7 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
 A sweep folder, written by `mima demo`, `mima evaluate --out` and benchmarks/offline_suite.py:
 
     runs/N<n>/                  one run folder per N (the demo and offline sweeps)
+    runs/N<n>-seed<s>/          one per (N, seed) in a sweep over seeds (benchmarks/offline_suite.py --seeds)
     runs/joint/                 the joint multi-task baseline's run (model.mode: joint)
     results.json .csv .md       the Table-1 rows; selection.json: the chosen merge hyperparameters
     merged_accuracy_vs_N.png, cosine_vs_N.png
@@ -310,8 +311,9 @@ class SweepFolder:
     def runs_dir(self) -> Path:
         return self.path / "runs"
 
-    def run(self, iterations: int) -> RunFolder:
-        return RunFolder(self.runs_dir / f"N{iterations}")
+    def run(self, iterations: int, seed: int | None = None) -> RunFolder:
+        """The run of N = `iterations` (of `seed`, in a sweep over seeds: runs/N<n>-seed<s>)."""
+        return RunFolder(self.runs_dir / (f"N{iterations}" if seed is None else f"N{iterations}-seed{seed}"))
 
     def joint_run(self) -> RunFolder:
         """The joint multi-task baseline trained beside the N runs."""

@@ -9,14 +9,18 @@ Sources (installed by tests/setup_assets.sh; found without importing their packa
 `data.root`, when given, is searched first for mnist.pkl.gz and the Fashion-MNIST IDX files.
 
 Tasks (10 classes each): mnist, fashion_mnist, digits, and derived variants that need their own
-features: mnist_rot90 / fashion_mnist_rot90 (rotated a quarter turn counter-clockwise) and
-mnist_inverted (white background).
+features: <source>_rot90 / _rot180 / _rot270 (rotated by that many degrees counter-clockwise) and
+mnist_inverted (white background). FAMILY orders the twelve tasks {mnist, fashion_mnist, digits} x
+{0, 90, 180, 270 degrees} so that its first T are the task list at T = 4, 8 and 12 (family_tasks;
+configs/offline/t*.yaml): one rotation after another, each over the three sources.
+A derived variant transforms each image as it is read, so all twelve tasks share one copy of each
+source's arrays.
 
 Splits of this suite (sized for a 2-core CPU; fixed seeds; its own rule, not task_vectors'; each
 split is a Subset of the official split, so `mima data splits` writes indices into it):
   train  the official training images minus validation
   val    400 images carved from the training images (digits: 10% of its training part)
-  test   1000 images drawn from the official test split (digits: its fixed 30% holdout, 540)
+  test   1000 images drawn from the official test split (digits: its fixed 30% holdout, 539)
 Images are 8-bit greyscale, converted to RGB PIL images and passed through the model's own
 preprocessing (open_clip's evaluation transform), so any open_clip model can train on them.
 Every split, training included, uses that evaluation transform: this suite ignores
@@ -30,6 +34,7 @@ import gzip
 import importlib.metadata
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -66,17 +71,24 @@ FASHION_TEMPLATES = ("a photo of a {}.", "a greyscale photo of a {}, a type of c
 RawSplits = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-class GreyImages(Dataset):
-    """uint8 greyscale images -> (preprocess(RGB PIL image), label), transformed when read."""
+ImageTransform = Callable[[np.ndarray], np.ndarray]  # uint8 images [..., H, W] -> uint8 images
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, preprocess: Callable) -> None:
-        self.images, self.labels, self.preprocess = images, labels, preprocess
+
+class GreyImages(Dataset):
+    """uint8 greyscale images -> (preprocess(RGB PIL image), label), transformed when read: first
+    `transform` (a derived task's rotation or inversion, per image, so that the source's arrays are
+    shared rather than copied per task), then the model's `preprocess`."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, preprocess: Callable,
+                 transform: ImageTransform | None = None) -> None:
+        self.images, self.labels, self.preprocess, self.transform = images, labels, preprocess, transform
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = Image.fromarray(self.images[index], mode="L").convert("RGB")
+        pixels = self.images[index] if self.transform is None else self.transform(self.images[index])
+        image = Image.fromarray(pixels, mode="L").convert("RGB")
         return self.preprocess(image), int(self.labels[index])
 
 
@@ -102,10 +114,14 @@ def mnist_splits(root: str | None = None) -> RawSplits:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(handle, encoding="latin1")
 
     def to_uint8(flat: np.ndarray) -> np.ndarray:  # stored as float32 in [0, 1) with 1/256 steps
-        return np.round(flat * 256).clip(0, 255).astype(np.uint8).reshape(-1, 28, 28)
+        # one float temporary, rounded and clipped in place: the pickle's float arrays are the peak
+        pixels = flat * 256
+        np.round(pixels, out=pixels)
+        np.clip(pixels, 0, 255, out=pixels)
+        return pixels.astype(np.uint8).reshape(-1, 28, 28)
 
     return {
-        "train": (to_uint8(np.concatenate([train_x, valid_x])), np.concatenate([train_y, valid_y]).astype(np.int64)),
+        "train": (np.concatenate([to_uint8(train_x), to_uint8(valid_x)]), np.concatenate([train_y, valid_y]).astype(np.int64)),
         "test": (to_uint8(test_x), test_y.astype(np.int64)),
     }
 
@@ -135,6 +151,7 @@ def fashion_mnist_splits(root: str | None = None) -> RawSplits:
     return splits
 
 
+@lru_cache(maxsize=2)
 def digits_splits(root: str | None = None) -> RawSplits:
     images, labels = sklearn_digits._raw_digits()
     pixels = np.round(images * (255 / 16)).astype(np.uint8)  # values run 0..16
@@ -163,7 +180,7 @@ def _task(
     classnames: tuple[str, ...],
     templates: tuple[str, ...],
     source: Callable[[str | None], RawSplits],
-    transform: Callable[[np.ndarray], np.ndarray] | None = None,
+    transform: ImageTransform | None = None,
 ) -> TaskSpec:
     def load(options: LoadOptions) -> TaskData:
         """Every split through options.preprocess; options.preprocess_train is ignored (no augmentation)."""
@@ -171,11 +188,10 @@ def _task(
             raise MimaError(f"task {name}: needs the model's image preprocessing (LoadOptions.preprocess)")
         raw = source(options.root)
         (train_x, train_y), (test_x, test_y) = raw["train"], raw["test"]
-        if transform is not None:
-            train_x, test_x = transform(train_x), transform(test_x)
         index = suite_split_indices(len(train_y), len(test_y), options.split_seed)
         # Subsets of the official splits, so that `mima data splits` reports indices into them
-        official = {"train": GreyImages(train_x, train_y, options.preprocess), "test": GreyImages(test_x, test_y, options.preprocess)}
+        official = {"train": GreyImages(train_x, train_y, options.preprocess, transform),
+                    "test": GreyImages(test_x, test_y, options.preprocess, transform)}
         return TaskData(
             train=Subset(official["train"], index["train"].tolist()),
             val=Subset(official["train"], index["val"].tolist()),
@@ -185,22 +201,57 @@ def _task(
     return TaskSpec(name=name, classnames=classnames, templates=templates, load=load)
 
 
-def _rot90(images: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.rot90(images, k=1, axes=(1, 2)))
+@dataclass(frozen=True)
+class Rotation:
+    """An ImageTransform: images [..., H, W] turned `quarter_turns` x 90 degrees counter-clockwise
+    (np.rot90). A class rather than a closure, so that a dataset holding it pickles (loader workers)."""
+
+    quarter_turns: int
+
+    def __call__(self, images: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.rot90(images, k=self.quarter_turns, axes=(-2, -1)))
 
 
 def _invert(images: np.ndarray) -> np.ndarray:
     return 255 - images
 
 
+SOURCES = {  # the three sources of the offline suite: (classes, templates, official splits)
+    "mnist": (DIGIT_CLASSES, DIGIT_TEMPLATES, mnist_splits),
+    "fashion_mnist": (FASHION_CLASSES, FASHION_TEMPLATES, fashion_mnist_splits),
+    "digits": (DIGIT_CLASSES, DIGIT_TEMPLATES, digits_splits),
+}
+ROTATIONS = (0, 90, 180, 270)  # degrees counter-clockwise
+
+
+def rotated_name(source: str, degrees: int) -> str:
+    """The task of `source` turned by `degrees`: the source's own name at 0 (mnist, not mnist_rot0)."""
+    return source if degrees == 0 else f"{source}_rot{degrees}"
+
+
+# The task family {mnist, fashion_mnist, digits} x ROTATIONS, rotation by rotation: each larger T adds
+# tasks to the smaller one's (a fixed S per task then measures the law in T alone), and the first 4
+# are DEFAULT_TASKS, so T = 4 is the offline suite's default run.
+FAMILY: tuple[str, ...] = tuple(rotated_name(source, degrees) for degrees in ROTATIONS for source in SOURCES)
+
+
+def family_tasks(count: int) -> list[str]:
+    """The first `count` tasks of FAMILY (the task list at T = count), or a one-line error."""
+    if not 1 <= count <= len(FAMILY):
+        raise MimaError(f"offline task family: T = {count}; expected 1 to {len(FAMILY)} tasks")
+    return list(FAMILY[:count])
+
+
+def _family_specs() -> list[TaskSpec]:
+    return [_task(rotated_name(source, degrees), classes, templates, splits,
+                  Rotation(degrees // 90) if degrees else None)
+            for degrees in ROTATIONS for source, (classes, templates, splits) in SOURCES.items()]
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
-        _task("mnist", DIGIT_CLASSES, DIGIT_TEMPLATES, mnist_splits),
-        _task("fashion_mnist", FASHION_CLASSES, FASHION_TEMPLATES, fashion_mnist_splits),
-        _task("digits", DIGIT_CLASSES, DIGIT_TEMPLATES, digits_splits),
-        _task("mnist_rot90", DIGIT_CLASSES, DIGIT_TEMPLATES, mnist_splits, _rot90),
-        _task("fashion_mnist_rot90", FASHION_CLASSES, FASHION_TEMPLATES, fashion_mnist_splits, _rot90),
+        *_family_specs(),
         _task("mnist_inverted", DIGIT_CLASSES, DIGIT_TEMPLATES, mnist_splits, _invert),
     )
 }
