@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mima.core.errors import MimaError
-from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
+from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec, read_layout, scan_splits
 from mima.data.tasks import LoadOptions
 from tests.conftest import fit_config
 from tests.helpers import assert_one_line, class_tree, cli, custom_task_fit_config, run_command
@@ -134,3 +134,43 @@ def test_a_custom_task_may_not_take_a_name_the_run_folder_or_the_results_use(tmp
         outcome = cli(command, capfd)
         assert_one_line(outcome.code, outcome.err, f"data.custom_tasks[1]: name {name!r} is reserved")
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------- each image counted once (issue 41, item 3)
+def _listed(task: Path) -> list[tuple[str, int]]:
+    layout = read_layout(FolderTask(name="shapes", path=str(task)))
+    return scan_splits(FolderTask(name="shapes", path=str(task)), layout)["train"]
+
+
+def test_a_symlink_loop_inside_a_class_folder_lists_each_image_once(tmp_path):
+    task = tmp_path / "shapes"
+    class_tree(task, CLASSES, per_class=15)
+    before = _listed(task)
+    (task / "circle" / "loop").symlink_to(".")  # os.walk(followlinks=True) walked it 40 times deep
+    (task / "square" / "deep").mkdir()
+    (task / "square" / "deep" / "back").symlink_to("..")  # a longer loop, through a sub-folder
+    after = _listed(task)
+    assert len(after) == 30 and after == before  # the same files in the same order: split indices unchanged
+
+
+def test_links_and_hard_links_to_a_listed_image_are_counted_once_and_said(tmp_path, capfd):
+    task = tmp_path / "shapes"
+    class_tree(task, CLASSES, per_class=15)
+    before = _listed(task)
+    os.link(task / "circle" / "000.png", task / "circle" / "zz-hard.png")
+    (task / "square" / "zz-link.png").symlink_to(task / "square" / "001.png")
+    capfd.readouterr()
+    assert _listed(task) == before
+    err = capfd.readouterr().err
+    assert "2 paths lead to image files already listed (links or hard links) and are counted once" in err
+    assert f"(first: {task / 'circle' / 'zz-hard.png'} is {task / 'circle' / '000.png'})" in err
+
+
+def test_one_file_under_two_classes_is_refused_in_one_line(tmp_path, capfd):
+    task = tmp_path / "shapes"
+    class_tree(task, CLASSES, per_class=15)
+    os.link(task / "circle" / "003.png", task / "square" / "zz.png")
+    outcome = cli(["data", "splits", "--config", _splits_config(tmp_path, task), "--out", tmp_path / "splits"], capfd)
+    assert_one_line(outcome.code, outcome.err, f"{task / 'square' / 'zz.png'} (class 'square') is the same file as "
+                    f"{task / 'circle' / '003.png'} (class 'circle'); an image has one class")
+    assert not (tmp_path / "splits").exists()

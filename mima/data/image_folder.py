@@ -184,15 +184,35 @@ def image_files(folder: Path) -> list[str]:
     """Every image file below `folder` (recursively, following links), in torchvision ImageFolder's
     order (folders sorted by path, files sorted by name), so that split indices are ImageFolder's.
 
-    An image name on something that is not a regular file (a FIFO, device or socket, or a link to
-    one) stops the command naming it, before anything opens it: opening a FIFO waits forever for a
-    writer. A broken link stays listed (opening it fails with its name, as for any unreadable file)."""
-    found = []
-    for directory, _, files in sorted(os.walk(folder, followlinks=True)):
-        found += [os.path.join(directory, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    Each folder is walked once: a link back to a folder already walked (a loop such as `loop -> .`, or
+    a second link to the same folder) is not followed again (of two paths to one folder, the first in
+    sorted order is walked). An image name on something that is not a regular file (a FIFO, device or
+    socket, or a link to one) stops the command naming it, before anything opens it: opening a FIFO
+    waits forever for a writer. A broken link stays listed (opening it fails with its name, as for any
+    unreadable file)."""
+    walked: set[tuple[int, int]] = set()
+    listing = []
+    for directory, subfolders, files in os.walk(folder, followlinks=True):
+        identity = _identity(directory)
+        if identity in walked:
+            subfolders[:] = []  # a folder reached again through a link: already listed
+            continue
+        walked.add(identity)
+        subfolders.sort()  # sorted descent: which of two paths to one folder is walked does not depend on the disk
+        listing.append((directory, sorted(name for name in files if name.lower().endswith(IMAGE_EXTENSIONS))))
+    found = [os.path.join(directory, name) for directory, names in sorted(listing) for name in names]
     for path in found:
         refuse_special_file(path)
     return found
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of what `path` leads to (links followed); None for a broken link."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def refuse_special_file(path: str) -> None:
@@ -207,6 +227,31 @@ def refuse_special_file(path: str) -> None:
         kind = next((word for test, word in kinds if test(mode)), "not a regular file")
         link = " (through a symbolic link)" if os.path.islink(path) else ""
         raise MimaError(f"{path}: is {kind}{link}, not an image file; remove it from the data folder")
+
+
+def without_repeats(samples: list[tuple[str, int]], what: str, class_names: Sequence[str]) -> list[tuple[str, int]]:
+    """`samples` with each image file counted once: a path that leads to a file listed before (a link, a
+    hard link) is left out and counted in one line on stderr; one file under two classes is an error
+    (which label would it have?)."""
+    first: dict[tuple[int, int], tuple[str, int]] = {}
+    kept, repeats = [], []
+    for path, label in samples:
+        identity = _identity(path)
+        if identity is None:  # a broken link: its reader names it
+            kept.append((path, label))
+            continue
+        earlier = first.setdefault(identity, (path, label))
+        if earlier == (path, label):
+            kept.append((path, label))
+        elif earlier[1] != label:
+            raise MimaError(f"{what}: {path} (class '{class_names[label]}') is the same file as {earlier[0]} (class "
+                            f"'{class_names[earlier[1]]}'); an image has one class: remove one of them")
+        else:
+            repeats.append((path, earlier[0]))
+    if repeats:
+        print(f"{what}: {len(repeats)} paths lead to image files already listed (links or hard links) and are counted "
+              f"once (first: {repeats[0][0]} is {repeats[0][1]})", file=sys.stderr)
+    return kept
 
 
 def scan_split(
@@ -234,6 +279,7 @@ def scan_split(
     for name in present:
         files = image_files(folder / name)
         samples += [(path, class_to_index[name]) for path in files if keep is None or keep(path)]
+    samples = without_repeats(samples, what, sorted(class_to_index, key=class_to_index.get))
     if not samples:
         raise MimaError(f"{what}: no image files ({', '.join(IMAGE_EXTENSIONS[:3])}, ...) below {folder}")
     return samples
