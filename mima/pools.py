@@ -28,6 +28,7 @@ from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
 from mima.core.subsets import first_examples
+from mima.data.listing import listing_changes
 from mima.data.tasks import TaskData
 from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
 from mima.evaluation.loader_pool import LoaderPool
@@ -101,11 +102,26 @@ def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> Ta
     cache = cache_dir_or_default(model.cache_dir)
     loaded = load_clip(model.clip, model.pretrained, cache_dir=cache, quick_gelu=model.quick_gelu)
     data = config.datamodule()
+    refuse_changed_listing(config, data.data_listing())
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     train_sets = {name: split.train for name, split in splits.items()}
     heads = task_heads(loaded, model.heads, data.task_specs, train_sets, cache, data.data_key, model.probe_shots)
     loaded.encoder.eval()
     return TaskPool(loaded.encoder, list(data.task_names), heads, splits, seed=int(config.data.seed), config=config)
+
+
+def refuse_changed_listing(config: RunConfig, listing: Mapping[str, Mapping]) -> None:
+    """A run's tasks read from folders are evaluated on the listing the run recorded when it started
+    (mima.data.listing): a folder changed since would score other images than the run's splits hold
+    out. One line naming the run folder and the change."""
+    source = Path(str(config.source).removeprefix("--config "))
+    if source.name != "config.yaml" or not source.is_file():
+        return  # a config file, not a run folder: nothing recorded to compare with
+    run = RunFolder(source.parent)
+    changes = listing_changes(run.data_listing() or {}, listing)
+    if changes:
+        raise MimaError(f"{run.path}: {'; '.join(changes)} since the run was trained; its test and validation splits "
+                        "would hold other images: restore the folder (the run's data_listing.json records it)")
 
 
 # ----------------------------------------------------------------------------- models

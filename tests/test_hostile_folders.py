@@ -5,6 +5,7 @@ culprit; none hangs and none reaches training."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -174,3 +175,42 @@ def test_one_file_under_two_classes_is_refused_in_one_line(tmp_path, capfd):
     assert_one_line(outcome.code, outcome.err, f"{task / 'square' / 'zz.png'} (class 'square') is the same file as "
                     f"{task / 'circle' / '003.png'} (class 'circle'); an image has one class")
     assert not (tmp_path / "splits").exists()
+
+
+# ------------------------------------------ a changed folder between a stop and its resume (issue 41, item 3)
+def test_a_resume_on_a_changed_task_folder_is_refused_unless_accepted(tmp_path, small_clip, capfd):
+    task = _task(tmp_path)  # 2 classes x 10 images
+    config = custom_task_fit_config(tmp_path, small_clip, task)
+    out = tmp_path / "run"
+    stopped = cli(["fit", "--config", config, "--out", out, "--trainer.callbacks+=tests.helpers.TouchStopAtStep",
+                   "--trainer.callbacks.step=1"], capfd)
+    assert stopped.code == 0 and "stopped by" in stopped.out, stopped.err
+    recorded = json.loads((out / "data_listing.json").read_text())
+    assert recorded["stripes"]["train"]["files"] == 20
+    class_tree(task, CLASSES, per_class=3, start=900)  # 3 more images per class (new names)
+    for name in CLASSES:
+        for i in range(3):
+            (task / name / f"{i:03d}.png").rename(task / name / f"new-{i:03d}.png")
+    class_tree(task, CLASSES, per_class=13)  # the old names back, and 3 more: 26 in all
+    before = sorted(p.name for p in out.rglob("*"))
+    refused = cli(["fit", "--config", config, "--out", out, "--ckpt_path", "last"], capfd)
+    assert_one_line(refused.code, refused.err, "task 'stripes' (train): 20 image files then, 32 now since the run started",
+                    "--accept_data_change true")
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
+    accepted = cli(["fit", "--config", config, "--out", out, "--ckpt_path", "last", "--accept_data_change", "true"], capfd)
+    assert accepted.code == 0, accepted.err
+    assert "--accept_data_change: task 'stripes' (train): 20 image files then, 32 now" in accepted.out
+    assert json.loads((out / "data_listing.json").read_text())["stripes"]["train"]["files"] == 32
+
+
+def test_evaluating_a_run_on_a_changed_task_folder_is_refused(tmp_path, small_clip, capfd):
+    task = _task(tmp_path)
+    config = custom_task_fit_config(tmp_path, small_clip, task)
+    out = tmp_path / "run"
+    assert cli(["fit", "--config", config, "--out", out], capfd).code == 0
+    (task / CLASSES[0] / "000.png").unlink()
+    table = tmp_path / "table"
+    refused = cli(["evaluate", out, "--out", table, "--merges", "uniform"], capfd)
+    assert_one_line(refused.code, refused.err, f"{out}: task 'stripes' (train): 20 image files then, 19 now since the "
+                    "run was trained")
+    assert not (table / "results.json").exists()

@@ -26,7 +26,7 @@ from mima.core.errors import MimaError
 
 # How this command was called, not what it computes: never compared (the run folder is the same by
 # construction, whatever --out template named it).
-INVOCATION = frozenset({"config", "out", "ckpt_path", "overwrite"})
+INVOCATION = frozenset({"config", "out", "ckpt_path", "overwrite", "accept_data_change"})
 # Keys (or sections: a prefix covers every key under it) whose value cannot change the weights.
 HARMLESS = frozenset({
     "checkpoint_every", "keep_checkpoints", "collective_timeout",  # when states are saved, how long to wait

@@ -7,6 +7,8 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
     config_changes.jsonl        one JSON object per resume that changed keys which cannot change the weights
                                 (progress bar, workers, ...): {"time", "changes": {key: [old, new]}}
     LOCK                        held by the one job working on the folder (mima.core.run_lock)
+    data_listing.json           tasks read from folders: each split folder's listing fingerprint when the run
+                                started ({task: {split: {files, sha256}}}, mima.data.listing)
     pretrained.safetensors      theta_0, the image encoder before fine-tuning
     final/<task>.safetensors    each task's image encoder after the last phase (+ <task>.json metadata);
                                 a joint multi-task run (model.mode: joint) has final/joint.safetensors
@@ -79,6 +81,10 @@ class RunFolder:
         return self.path / "config_changes.jsonl"
 
     @property
+    def data_listing_file(self) -> Path:
+        return self.path / "data_listing.json"
+
+    @property
     def lock_file(self) -> Path:
         """The one-job-per-folder lock (mima.core.run_lock.RunLock(run.path, command) takes it)."""
         return self.path / LOCK_NAME
@@ -133,8 +139,8 @@ class RunFolder:
 
     def training_outputs(self) -> list[Path]:
         """What `mima fit` writes (and `--overwrite` removes)."""
-        return [self.config_file, self.config_changes_file, self.pretrained_file, self.metrics_file, self.final_dir,
-                self.logs_dir, self.checkpoints_dir]
+        return [self.config_file, self.config_changes_file, self.data_listing_file, self.pretrained_file,
+                self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
 
     # ---------------------------------------------------------------------------- state
     def has_metrics(self) -> bool:
@@ -226,6 +232,13 @@ class RunFolder:
 
     def write_config(self, text: str) -> None:
         write_text_atomic(self.config_file, text)
+
+    def write_data_listing(self, listing: Mapping[str, Mapping]) -> None:
+        write_json_atomic(self.data_listing_file, dict(listing))
+
+    def data_listing(self) -> dict | None:
+        """The recorded listing fingerprints (None: the run reads no folders, or predates the record)."""
+        return read_json(self.data_listing_file) if self.data_listing_file.is_file() else None
 
     def append_config_changes(self, changes: dict) -> None:
         """Record a resume's accepted config changes (key -> [old, new]) before config.yaml takes them."""

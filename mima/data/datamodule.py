@@ -106,6 +106,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self._setup: TrainingSetup | None = None
         self._process: ProcessTasks | None = None
 
+    def data_listing(self) -> dict[str, dict]:
+        """{task: {split: fingerprint}} of the run's tasks read from folders (mima.data.listing)."""
+        return {spec.name: spec.listing for spec in self.task_specs if spec.listing is not None}
+
     def connect(self, setup: TrainingSetup) -> ProcessTasks:
         """The one exchange with the LightningModule (called from its `setup`): the data learns the
         model's transform and the process's place in the run; the model gets its plan and tasks."""

@@ -57,6 +57,7 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
+from mima.data.listing import listing_fingerprint
 from mima.data.splits import carve_validation, holdout_split, validation_size
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec, check_templates
 from mima.core.errors import MimaError
@@ -386,7 +387,8 @@ def folder_task_spec(task: FolderTask) -> TaskSpec:
     def load(options: LoadOptions) -> TaskData:
         return load_folder_task(task, layout, options, samples)
 
-    return TaskSpec(name=task.name, classnames=classnames, templates=templates, load=load)
+    listing = {split: listing_fingerprint(pairs, Path(task.path).expanduser()) for split, pairs in samples.items()}
+    return TaskSpec(name=task.name, classnames=classnames, templates=templates, load=load, listing=listing)
 
 
 def scan_splits(task: FolderTask, layout: FolderLayout) -> dict[str, list[tuple[str, int]]]:

@@ -47,6 +47,9 @@ class TaskSpec:
     classnames: tuple[str, ...]
     templates: tuple[str, ...]
     load: Callable[[LoadOptions], TaskData]
+    # a task read from a folder the user can change: each split folder's listing fingerprint
+    # (mima.data.listing), recorded in the run folder so that a resume or an evaluation sees a change
+    listing: dict[str, dict] | None = None
 
     @property
     def num_classes(self) -> int:

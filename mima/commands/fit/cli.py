@@ -45,6 +45,7 @@ from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
 from mima.core.run_lock import RunLock
 from mima.data.datamodule import TaskSuiteDataModule
+from mima.data.listing import listing_changes
 from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
 from mima.training.determinism import prepare_deterministic
 from mima.training.joint import JointFinalCallback
@@ -109,6 +110,12 @@ class MimaCLI(LightningCLI):
             help="start even when the plan printed at start (`mima plan`) shows the run does not fit the device's memory",
         )
         parser.add_argument(
+            "--accept_data_change", type=bool, default=False,
+            help="resume although a task folder's listing changed since the run started (files added, removed or "
+            "renamed): the splits are then cut from the new listing, which can move images between train and test; "
+            "without it such a resume is refused",
+        )
+        parser.add_argument(
             "--collective_timeout", type=int, default=COLLECTIVE_TIMEOUT_S,
             help="seconds a collective may wait for other processes before the run fails (a dead process cannot hang it)",
         )
@@ -153,6 +160,7 @@ class MimaCLI(LightningCLI):
         if global_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=config.get("ckpt_path") is not None, overwrite=bool(config.get("overwrite")))
         self.launch: Launch | None = None
+        self.data_changes = self.check_data_listing()  # a changed task folder: refused before anything is built
         self.checkpoint_every = choose_checkpoint_every(config.get("checkpoint_every"), trains_on_gpu(trainer_config))
         # each task's phase lengths: a map of budgets that does not name exactly the run's tasks is refused here
         self.task_lengths = self.model.settings.task_lengths(self.datamodule.task_names)
@@ -195,6 +203,19 @@ class MimaCLI(LightningCLI):
             trainer_config, user_callbacks) else []
         kwargs["callbacks"] = user_callbacks + mima_callbacks + log_lines + ([self.checkpoint] if self.checkpoint else [])
         return super().instantiate_trainer(**kwargs)
+
+    def check_data_listing(self) -> list[str]:
+        """Compare the listings of the tasks read from folders with those the run recorded when it
+        started (mima.data.listing): a resume on a changed folder is refused in one line naming the task
+        and the change, unless --accept_data_change (then the changes are returned, to be said and
+        recorded)."""
+        recorded = RunFolder(self.run_dir).data_listing() if self.config.get("ckpt_path") is not None else None
+        changes = listing_changes(recorded or {}, self.datamodule.data_listing())
+        if changes and not self.config.get("accept_data_change"):
+            raise MimaError(f"{self.run_dir}: {'; '.join(changes)} since the run started; resuming would cut the splits "
+                            "from another listing (images could move between train and test): restore the folder, or "
+                            "pass --accept_data_change true")
+        return changes
 
     def num_tasks(self) -> int:
         """Tasks for the process layout: the joint baseline trains one model on all tasks (plain DDP)."""

@@ -73,6 +73,12 @@ def _run_fit(cli: MimaCLI) -> FitResult:
             print(f"mima fit: config changes that cannot change the weights, recorded in {run.config_changes_file.name}: "
                   + ", ".join(launch.config_changes.harmless))
         run.write_config(cli.parser.dump(cli.config, skip_none=False))
+        if cli.data_changes:
+            print(f"mima fit: --accept_data_change: {'; '.join(cli.data_changes)}; the splits are cut from the new listing",
+                  flush=True)
+        listing = data.data_listing()
+        if listing and (not resuming or cli.data_changes or run.data_listing() is None):
+            run.write_data_listing(listing)  # what the splits of this attempt are cut from
     try:
         trainer.fit(module, datamodule=data, ckpt_path=str(run.checkpoints_dir) if resume_states else None)
     except RuntimeError as exc:
