@@ -123,6 +123,8 @@ def run_command(argv: list[str], timeout: float = 600, file_size_limit: int | No
     if JOB_SERVER.serves(environment):
         return JOB_SERVER.run(argv, environment, timeout, file_size_limit)
     limit = None if file_size_limit is None else functools.partial(_limit_file_size, file_size_limit)
+    if file_size_limit is not None:  # a .pyc written under the limit is cut short silently (tests/job_server.py)
+        environment = {**environment, "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run([sys.executable, "-m", "mima", *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, start_new_session=True, env=environment, preexec_fn=limit)
 

@@ -79,9 +79,14 @@ def _become_the_job(connection: socket.socket, request: dict, stdout: int, stder
         os.close(fd)
     if request.get("file_size_limit") is not None:  # a write beyond it fails as on a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
+        # Python writes the bytecode of a module imported first here in one write() call, which the limit
+        # cuts short without an error: the truncated .pyc would break every later import of that module
+        sys.dont_write_bytecode = True
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("file_size_limit") is not None:
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # and in the processes it starts
     sys.argv = [str(importlib.util.find_spec("mima.__main__").origin), *request["argv"]]
     # Lightning's launcher starts the other ranks as `python -m <__main__.__spec__.name> <sys.argv[1:]>`
     sys.modules["__main__"].__spec__ = importlib.util.find_spec("mima.__main__")
