@@ -169,7 +169,7 @@ def start_cluster(folder: Path, cpus: int | None = None, nodes: int = 1) -> Slur
         subprocess.run(["chown", "munge:munge", "/run/munge"], check=False)
         if not Path("/etc/munge/munge.key").exists():
             subprocess.run(["mungekey", "--create"], check=True)
-        subprocess.run(["runuser", "-u", "munge", "--", _sbin("munged")], check=True)
+        subprocess.run([_sbin("runuser"), "-u", "munge", "--", _sbin("munged")], check=True)
         cluster.started_munged = True
         cluster.pid_files.append(Path("/run/munge/munged.pid"))
     subprocess.run([_sbin("slurmctld"), "-f", str(conf)], env=env, check=True)
