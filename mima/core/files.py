@@ -215,9 +215,11 @@ def remove_folders(created: list[Path]) -> None:
 
 
 def publish_folder(staging: Path, target: Path, overwrite: bool, lock: str | None = None) -> list[Path]:
-    """Move every file under `staging` to the same place under `target`: all names checked first, then
-    each placed without replacing (or replacing, with `overwrite`); if another command placed one of
-    them meanwhile, the ones already placed are taken back. Returns the placed files."""
+    """Move every file under `staging` to the same place under `target`, as a whole: all names checked
+    first, then each placed without replacing (or, with `overwrite`, replacing: the files it replaces
+    are moved aside into a journal first, see `replace_set`); if placing fails or is interrupted, what was
+    placed is taken back, so `target` holds the earlier set or the new one, never a mix. Returns the
+    placed files."""
     from mima.core.run_lock import RunLock  # core, but only the commands that write folders need it
 
     written = sorted(p for p in staging.rglob("*") if p.is_file() or p.is_symlink())
@@ -227,24 +229,85 @@ def publish_folder(staging: Path, target: Path, overwrite: bool, lock: str | Non
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
-        if not overwrite:  # every name is checked before any is placed: all or nothing
-            refuse_overwrite([target / p.relative_to(staging) for p in written], what=f"--out {target}")
+        roll_back_interrupted_publishes(target)
+        if overwrite:
+            return replace_set(staging, target, [p.relative_to(staging) for p in written])
+        refuse_overwrite([target / p.relative_to(staging) for p in written], what=f"--out {target}")
         placed: list[Path] = []
         try:
             for path in written:
                 destination = target / path.relative_to(staging)
                 destination.parent.mkdir(parents=True, exist_ok=True)
-                if overwrite:
-                    os.replace(path, destination)
-                else:
-                    place_noreplace(path, destination)
+                place_noreplace(path, destination)
                 placed.append(destination)
-        except BaseException:
-            if not overwrite:  # another command came in between: take back what this one placed
-                for destination in placed:
-                    destination.unlink(missing_ok=True)
+        except BaseException:  # another command came in between: take back what this one placed
+            for destination in placed:
+                destination.unlink(missing_ok=True)
             raise
     return placed
+
+
+PUBLISH_JOURNAL = ".publishing-"  # target/.publishing-<pid>/: a set being replaced (journal.json, old/)
+
+
+def replace_set(staging: Path, target: Path, names: list[Path]) -> list[Path]:
+    """Replace the files `names` of `target` by those of `staging`. A journal folder in `target` names the
+    staging folder and the set; each file replaced is first moved into the journal's old/. On any
+    failure or signal the old set is put back at once; after a SIGKILL, the next publish into `target`
+    (`roll_back_interrupted_publishes`) puts it back. The journal goes once the whole set is placed."""
+    journal = target / f"{PUBLISH_JOURNAL}{os.getpid()}"
+    (journal / "old").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(journal / "journal.json", {"staging": str(staging), "files": [str(name) for name in names]})
+    placed = []
+    try:
+        for name in names:
+            destination = target / name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if destination.exists() or destination.is_symlink():
+                (journal / "old" / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(destination, journal / "old" / name)
+            os.replace(staging / name, destination)
+            placed.append(destination)
+    except BaseException:
+        roll_back(journal, target)
+        raise
+    shutil.rmtree(journal, ignore_errors=True)
+    return placed
+
+
+def roll_back(journal: Path, target: Path) -> Path:
+    """Put back the set a journal was replacing: a file not yet taken from staging was never touched; one
+    taken is removed, and the file it replaced (kept in old/) returns."""
+    record = read_json(journal / "journal.json")
+    staging = Path(record["staging"])
+    for name in map(Path, record["files"]):
+        if (staging / name).exists():
+            if (journal / "old" / name).exists():  # moved aside, the new file not placed yet
+                os.replace(journal / "old" / name, target / name)
+            continue
+        backup = journal / "old" / name
+        if backup.exists() or backup.is_symlink():
+            os.replace(backup, target / name)
+        else:
+            (target / name).unlink(missing_ok=True)  # new in this set: there was no file before
+    shutil.rmtree(journal, ignore_errors=True)
+    return staging
+
+
+def roll_back_interrupted_publishes(target: Path) -> None:
+    """Journals in `target` left by a process that no longer runs (killed while replacing a set): the
+    earlier set put back, said in one line."""
+    for journal in sorted(target.glob(f"{PUBLISH_JOURNAL}*")):
+        pid = journal.name[len(PUBLISH_JOURNAL):]
+        if not pid.isdigit() or _process_exists(int(pid)):
+            continue
+        if (journal / "journal.json").is_file():
+            roll_back(journal, target)
+        else:  # killed while writing the journal: nothing was moved yet
+            shutil.rmtree(journal, ignore_errors=True)
+        for staging in target.parent.glob(f".{glob_escape(target.name)}.{pid}.*.tmp"):  # the killed command's
+            shutil.rmtree(staging, ignore_errors=True)
+        sys.stderr.write(f"mima: {target}: put back the files an interrupted earlier command was replacing\n")
 
 
 def remove_stale_temporaries(target: Path) -> list[Path]:
