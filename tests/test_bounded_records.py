@@ -12,6 +12,7 @@ import pytest
 from mima.core.errors import MimaError
 from mima.core.files import read_json, read_json_lines
 from mima.core.run_lock import LOCK_READ_BYTES, RunLock
+from mima.evaluation.cells import read_checked_cells
 from mima.models.footprint import model_config
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -41,3 +42,10 @@ def test_a_lock_of_deep_json_or_megabytes_reads_as_an_unknown_holder(tmp_path):
     assert lock.holder()["unreadable"] is True
     assert time.perf_counter() - started < 0.5
     assert os.path.getsize(lock.path) > LOCK_READ_BYTES
+
+
+def test_a_deep_cell_line_is_a_rejected_line_not_a_crash(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    path.write_text('{"a": 1}\n' + DEEP + "\n")
+    cells, problems = read_checked_cells(path, "0" * 16)
+    assert cells == {} and [number for number, _ in problems] == [1, 2]

@@ -242,7 +242,7 @@ def test_non_finite_weights_are_refused_in_one_line(method):
     with pytest.raises(MimaError) as error:
         get_method(method)(models, base)
     assert str(error.value) == (f"models[1]: tensor '{MATRIX}' holds NaN or Inf values; a merge needs finite weights "
-                                "(allow_non_finite=True, --allow-non-finite, merges them as they are)")
+                                "(`mima merge --allow-non-finite`, or allow_non_finite=True, merges them as they are)")
     if method == "svc":  # allowed through, they reach the calibration's SVD: still one line
         with pytest.raises(MimaError, match=r"^svc: cannot merge weights holding NaN or Inf, which allow_non_finite"):
             get_method(method)(models, base, allow_non_finite=True)

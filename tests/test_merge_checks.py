@@ -90,7 +90,7 @@ def test_non_finite_weights_are_refused_alike_naming_the_file(method, encoders, 
     command = command_error(method, encoders, tmp_path, capfd, ("m1", path))
     assert command == str(refused.value)
     assert command == (f"{path}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
-                       "(allow_non_finite=True, --allow-non-finite, merges them as they are)")
+                       "(`mima merge --allow-non-finite`, or allow_non_finite=True, merges them as they are)")
 
 
 def test_allowed_non_finite_weights_into_an_svd_are_refused_alike(encoders, tmp_path, capfd):

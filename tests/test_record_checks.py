@@ -227,3 +227,21 @@ def test_a_malformed_metrics_line_is_refused_naming_file_and_line(run, tmp_path,
     refused = cli(METRICS_COMMANDS[command](damaged, out), capfd)
     assert_one_line(refused.code, refused.err, f"{damaged / 'metrics.jsonl'}: line 1 ", says)
     assert not (out / "results.json").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("damage", ["truncated", "binary", "deep"])
+def test_a_damaged_manifest_keeps_the_finished_cells_and_names_the_file(run, untampered, tmp_path, capfd, damage):
+    """A damaged cells.json is not "the evaluation of other runs" (whose fix, --overwrite, would discard
+    every finished cell): it is written again, and the cells whose digests match it are all used."""
+    out = tmp_path / "table"
+    shutil.copytree(untampered["out"], out)
+    manifest = out / "cells.json"
+    manifest.write_bytes({"truncated": manifest.read_bytes()[:40], "binary": bytes(range(256)),
+                          "deep": b"[" * 100_000 + b"]" * 100_000}[damage])
+    cells = sum(path.read_text().count("\n") for path in (out / "cells").glob("*.jsonl"))
+    again = cli(_evaluate_argv(run, out), capfd)
+    assert again.code == 0, again.err[-3000:]
+    assert f"{manifest} was damaged; written again for this evaluation" in again.err
+    assert f"{cells} cells already done" in again.out  # none evaluated again
+    assert sum(path.read_text().count("\n") for path in (out / "cells").glob("*.jsonl")) == cells
+    assert json.loads((out / "results.json").read_text()) == untampered["rows"]

@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -108,7 +109,14 @@ class CellStore:
         """Make the folder hold `manifest`'s cells: a new folder gets it; the same manifest keeps its
         cells; another one is refused unless `overwrite` (then its cells are removed)."""
         stored = self.read_manifest()
-        if stored is not None and not same_evaluation(stored, manifest):
+        if stored == {}:
+            # damaged: not another evaluation's. Each cell's check digest holds the fingerprint of the
+            # manifest it was computed under, so under this one a cell of the same evaluation is still
+            # used and any other is evaluated again: nothing finished is lost, nothing foreign published
+            print(f"mima: {self.manifest_file} was damaged; written again for this evaluation (finished cells that "
+                  "match it are kept, the others evaluated again)", file=sys.stderr)
+            stored = None
+        elif stored is not None and not same_evaluation(stored, manifest):
             if not overwrite:
                 raise MimaError(f"--out {self.folder}: holds the evaluation of {describe_difference(stored, manifest)}; "
                                 "give another --out, or --overwrite to replace it")
@@ -247,7 +255,7 @@ def _complete_lines(path: Path) -> Iterable[tuple[int, object]]:
             break
         try:
             yield number, json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             yield number, None
 
 

@@ -231,8 +231,9 @@ class FiniteView(Mapping[str, torch.Tensor]):
         tensor = self.model[key]
         finite = known_finite(self.model, key)
         if not (finite if finite is not None else all_finite(tensor)):
+            # the flag is named with its command: `mima evaluate` reaches here too and has no such flag
             raise MimaError(f"{self.name}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
-                            "(allow_non_finite=True, --allow-non-finite, merges them as they are)")
+                            "(`mima merge --allow-non-finite`, or allow_non_finite=True, merges them as they are)")
         return tensor
 
     def __iter__(self) -> Iterator[str]:
