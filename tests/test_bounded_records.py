@@ -49,3 +49,14 @@ def test_a_deep_cell_line_is_a_rejected_line_not_a_crash(tmp_path):
     path.write_text('{"a": 1}\n' + DEEP + "\n")
     cells, problems = read_checked_cells(path, "0" * 16)
     assert cells == {} and [number for number, _ in problems] == [1, 2]
+
+
+def test_a_fer2013_csv_with_a_huge_field_is_one_line(tmp_path):
+    """A csv field beyond the csv module's limit (131,072 bytes), or any damage torchvision's reader
+    finds, is one line naming the folder, not a csv or torchvision traceback."""
+    from mima.data.clip_tasks import _read_fer
+
+    (tmp_path / "fer2013").mkdir()
+    (tmp_path / "fer2013" / "fer2013.csv").write_text("emotion,pixels,Usage\n0," + "7" * 200_000 + ",Training\n")
+    with pytest.raises(MimaError, match=f"FER2013: the csv files under {tmp_path / 'fer2013'} cannot be read"):
+        _read_fer(tmp_path, None, False)

@@ -334,3 +334,25 @@ def test_fit_on_the_cache_writes_the_same_task_models_on_one_and_two_processes(t
             assert torch.equal(one[task][key], two[task][key]), (task, key)
     sidecar = json.loads(next((tmp_path / "cache").glob("one-*/train.json")).read_text())
     assert sidecar["count"] == len(sidecar["labels"]) and sidecar["image_size"] == 16
+
+
+def test_a_cache_file_zeroed_in_place_is_found_and_decoded_again(tmp_path, capfd):
+    """issue 41, item 7: a .npy changed after it was written (here its image bytes zeroed, the size and the
+    sidecar untouched) no longer trains silently: its checksum says so, the split is decoded again."""
+    size = 16
+    preprocess, _ = _transforms(size)
+    _write_pngs(tmp_path / "pngs")
+    settings = {"suite": None, "custom_tasks": [{"name": "pngs", "path": str(tmp_path / "pngs")}],
+                "cache": True, "cache_dir": str(tmp_path / "cache")}
+    TaskSuiteDataModule(**settings).task_data("pngs", size, preprocess)
+    (folder,) = (tmp_path / "cache").iterdir()
+    train = folder / "train.npy"
+    good = train.read_bytes()
+    header = len(good) - int(np.load(train, mmap_mode="r").nbytes)
+    train.write_bytes(good[:header] + bytes(len(good) - header))  # every image black, same size
+    capfd.readouterr()
+    data = TaskSuiteDataModule(**settings).task_data("pngs", size, preprocess)
+    assert f"data.cache: {train} does not match the checksum it was written with" in capfd.readouterr().err
+    assert train.read_bytes() == good  # decoded again: the same bytes as first written
+    reference = TaskSuiteDataModule(**{k: v for k, v in settings.items() if not k.startswith("cache")}).task_data("pngs", size, preprocess)
+    assert _max_difference(data.train, reference.train) <= BOUND

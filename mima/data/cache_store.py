@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +44,8 @@ from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 if TYPE_CHECKING:  # for the annotation only: torchvision is imported inside the functions that use it
     from torchvision.datasets import VisionDataset
 
-FORMAT = 1  # of the sidecar; a change rebuilds every cache
+FORMAT = 2  # of the sidecar; a change rebuilds every cache (2: the .npy file's checksum)
+CHECKSUM_CHUNK = 16 * 2**20
 SPLITS = ("train", "val", "test")
 BUILD_BATCH = 64
 
@@ -242,6 +245,16 @@ def _cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def file_checksum(path: Path) -> str:
+    """The file's size and CRC-32 (zlib's, read in large chunks: about a second per GB), checked every
+    time a run opens the cache."""
+    crc = 0
+    with open(path, "rb") as stream:
+        while chunk := stream.read(CHECKSUM_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{path.stat().st_size}:{crc:08x}"
+
+
 def _read_sidecar(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -307,11 +320,18 @@ def load_cached_task(
                                   "source": source_fingerprint(dataset)})
         images_path, sidecar_path = folder / f"{split}.npy", folder / f"{split}.json"
         sidecar = _read_sidecar(sidecar_path)
-        if sidecar is None or sidecar.get("fingerprint") != fingerprint or not images_path.is_file():
+        fresh = sidecar is not None and sidecar.get("fingerprint") == fingerprint and images_path.is_file()
+        if fresh and file_checksum(images_path) != sidecar.get("checksum"):
+            # a cache file changed after it was written (zeroed, cut short, edited): trained on, it would
+            # teach the model other images without a word
+            print(f"data.cache: {images_path} does not match the checksum it was written with (damaged or edited); "
+                  "decoding the split again", file=sys.stderr)
+            fresh = False
+        if not fresh:
             labels = _build_split(dataset, options.image_size, images_path, workers, f"{spec.name}/{split}", progress)
             sidecar = {"format": FORMAT, "fingerprint": fingerprint, "task": spec.name, "split": split,
                        "count": len(labels), "image_size": options.image_size, "geometry": geometry.description,
-                       "labels": labels.tolist()}
+                       "labels": labels.tolist(), "checksum": file_checksum(images_path)}
             with atomic_path(sidecar_path) as temporary:  # last: a sidecar means a complete .npy beside it
                 temporary.write_text(json.dumps(sidecar))
         splits[split] = CachedSplit(images_path, np.asarray(sidecar["labels"], dtype=np.int64), geometry.mean, geometry.std)

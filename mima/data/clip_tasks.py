@@ -60,6 +60,7 @@ transform (`LoadOptions.preprocess`, as task_vectors evaluates with `val_preproc
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -280,7 +281,14 @@ def _read_fer(root: Path, transform, download: bool) -> Splits:
 
     # torchvision cannot download FER2013; with fer2013.csv (or icml_face_data.csv) the test split
     # (PublicTest + PrivateTest) has labels, with test.csv alone it would not.
-    return FER2013(str(root), split="train", transform=transform), None, FER2013(str(root), split="test", transform=transform)
+    try:
+        return (FER2013(str(root), split="train", transform=transform), None,
+                FER2013(str(root), split="test", transform=transform))
+    except (csv.Error, RuntimeError, ValueError, IndexError, KeyError) as error:
+        # a damaged or edited csv: torchvision checks its md5 and parses it as it reads (a field over the
+        # csv module's limit, a short row)
+        raise MimaError(f"FER2013: the csv files under {root / 'fer2013'} cannot be read as FER2013's "
+                        f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); download them again") from None
 
 
 # ------------------------------------------------------------------------ folder-read datasets
