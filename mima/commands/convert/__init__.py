@@ -1,6 +1,8 @@
 """Turn a pickled module checkpoint (task_vectors style) into a safetensors state dict, without
 running code from the file; or convert between open_clip image encoders and Hugging Face transformers
-CLIP vision towers (--from hf-clip, --to hf-clip) by renaming tensors (no transformers needed).
+CLIP vision towers (--from hf-clip, --to hf-clip) by renaming tensors (no transformers needed); or
+write a merged or fine-tuned image encoder with its run's text tower as a full open_clip CLIP folder
+with a model card (--to open-clip), which open_clip.create_model_and_transforms("local-dir:DIR") loads.
 """
 # `mima convert`: pickled checkpoints to safetensors, open_clip <-> transformers CLIP (mima.commands.convert.run runs it).
 
@@ -21,7 +23,8 @@ def parse(argv: Sequence[str]) -> ConvertOptions:
         epilog="examples:\n  mima convert finetuned.pt finetuned.safetensors\n"
         "  mima convert --from hf-clip clip-vit-base-patch32/ --output base.safetensors\n"
         "  mima convert --from hf-clip clip-vit-base-patch32_svhn/ --projection-from clip-vit-base-patch32/ --output svhn.safetensors\n"
-        "  mima convert --to hf-clip merged.safetensors --activation quick_gelu --output merged-hf/",
+        "  mima convert --to hf-clip merged.safetensors --activation quick_gelu --output merged-hf/\n"
+        "  mima convert --to open-clip merged.safetensors --config runs/x --output merged-open-clip/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_convert_arguments(parser)

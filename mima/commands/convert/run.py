@@ -9,6 +9,9 @@
   mima convert --to hf-clip ENCODER.safetensors --output DIR
       open_clip image encoders <-> transformers CLIP vision towers (mima.convert.hf_conversion
       reads and converts, mima.convert.hf_writer writes the transformers folder).
+  mima convert --to open-clip ENCODER.safetensors --config RUN --output DIR
+      the full CLIP (the run's text tower and logit scale, this image tower, the activation
+      recorded) in open_clip's folder layout, with a model card (mima.convert.open_clip_writer).
 
 This module checks the options (mima.commands.convert.options declares them), refuses outputs that are
 inputs or exist (unless --overwrite) before any reading, and writes the result.
@@ -25,6 +28,7 @@ from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite
 from mima.core.safetensors_io import save_state_dict
+from mima.commands.convert.open_clip_export import convert_to_open_clip
 
 
 def _output_of(options: ConvertOptions) -> Path:
@@ -37,9 +41,13 @@ def _output_of(options: ConvertOptions) -> Path:
 
 
 def _check_options(options) -> str:
-    """'pickle', 'from-hf' or 'to-hf', after refusing options that do not apply to it."""
+    """'pickle', 'from-hf', 'to-hf' or 'to-open-clip', after refusing options that do not apply to it."""
     if options.source_format is not None and options.target_format is not None:
         raise MimaError("--from and --to: give one (--from hf-clip reads a transformers CLIP, --to hf-clip writes one)")
+    if options.target_format == "open-clip":
+        return _check_open_clip_options(options)
+    if options.config is not None:
+        raise MimaError("--config: applies to --to open-clip only (the run whose text tower completes the CLIP)")
     mode = "to-hf" if options.target_format else "from-hf" if options.source_format == "hf-clip" else "pickle"
     hf_only = {"--arch": options.arch, "--activation": options.activation, "--projection-from": options.projection_from}
     if mode == "pickle":
@@ -53,9 +61,24 @@ def _check_options(options) -> str:
     return mode
 
 
+def _check_open_clip_options(options) -> str:
+    given = {"--arch": options.arch, "--activation": options.activation, "--projection-from": options.projection_from,
+             "--prefix": options.prefix}
+    for flag, value in given.items():
+        if value is not None:
+            raise MimaError(f"{flag}: does not apply to --to open-clip (the run's CLIP, --config, gives the architecture "
+                            "and activation)")
+    if options.config is None:
+        raise MimaError("--to open-clip: needs --config, the `mima fit` run folder or config whose CLIP gives the text tower")
+    return "to-open-clip"
+
+
 def main(options: ConvertOptions) -> None:
     mode = _check_options(options)
     output, source = _output_of(options), options.source
+    if mode == "to-open-clip":
+        convert_to_open_clip(source, options.config, output, options.overwrite)
+        return
     if mode == "pickle":
         prefix = "model.visual." if options.prefix is None else options.prefix
         if not options.overwrite:

@@ -25,6 +25,7 @@ class MergeOptions:
     overwrite: bool = False
     allow_non_finite: bool = False
     device: str = "auto"  # as --device spells it (auto, cpu, cuda, cuda:N)
+    format: str = "safetensors"  # --format: "safetensors" (the image encoder) or "open-clip" (a full CLIP folder)
     # the hyperparameter flags given, {name: value} as the strategy takes them (unchecked against the method)
     hyperparameters: dict[str, object] = field(default_factory=dict)
 
@@ -35,7 +36,8 @@ class MergeOptions:
                  if getattr(namespace, name) is not None}
         return cls(method=namespace.method, models=tuple(namespace.models), output=namespace.output, base=namespace.base,
                    config=namespace.config, select_on=namespace.select_on, overwrite=namespace.overwrite,
-                   allow_non_finite=namespace.allow_non_finite, device=namespace.device, hyperparameters=given)
+                   allow_non_finite=namespace.allow_non_finite, device=namespace.device, format=namespace.format,
+                   hyperparameters=given)
 
 
 
@@ -50,7 +52,13 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", type=Path, help="theta_0, the pretrained state dict (not needed by uniform, cart, ...)")
     parser.add_argument("--models", type=Path, nargs="+", required=True,
                         help="fine-tuned state dicts (.safetensors), or one `mima fit` run folder")
-    parser.add_argument("--output", type=Path, required=True, help="where to write the merged .safetensors")
+    parser.add_argument("--output", type=Path, required=True,
+                        help="where to write the merged .safetensors (with --format open-clip: the folder)")
+    parser.add_argument("--format", choices=("safetensors", "open-clip"), default="safetensors",
+                        help="safetensors: the merged image encoder's state dict (the default); open-clip: a folder "
+                        "with the full CLIP (the run's text tower, the merged image tower) that "
+                        "open_clip.create_model_and_transforms('local-dir:DIR') loads, a model card, and the merged "
+                        "encoder with its results (needs --config or a run folder)")
     parser.add_argument("--config", type=Path, help="a mima fit config or run folder: the tasks' model and data")
     parser.add_argument("--select-on", choices=("val",), help="choose hyperparameters on the validation splits")
     parser.add_argument("--overwrite", action="store_true", help="replace --output (and its results) if they exist")

@@ -21,6 +21,10 @@ An input tensor holding NaN or Inf is refused, naming the file and the tensor, a
 tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
 strategies that decompose matrices still cannot, which is one line too). The output is never one of
 the inputs (under any name), a folder, or left half written.
+
+`--format open-clip` writes a folder instead: the full CLIP (the run's text tower, the merged image
+tower) that open_clip.create_model_and_transforms("local-dir:DIR") loads, its model card, and the
+merged encoder with its results (mima.commands.convert.open_clip_export).
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ def check_hyperparameter_flags(method: MergeMethod, given: Mapping[str, object])
 
 
 def run_merge(options: MergeOptions) -> None:
+    if options.format == "open-clip":  # this merge, written with the run's text tower as a full open_clip CLIP folder
+        from mima.commands.convert.open_clip_export import merge_to_open_clip
+
+        merge_to_open_clip(options, run_merge)
+        return
     method = get_method(options.method)
     given = options.hyperparameters
     check_hyperparameter_flags(method, given)
