@@ -1,0 +1,362 @@
+"""The study of issue 38 (item 5): MIMA beside the federated phase-end operators, the joint model and
+theta_0, over N, T, per-task budgets and seeds, each run with its measured cost beside `mima plan`'s.
+
+One command, resumable (docs/results.md, "The study (issue 38): plan"):
+
+    python benchmarks/study.py --out runs/study                   # the full grid
+    python benchmarks/study.py --grid reduced --out runs/study    # ~3 hours on 2 cores
+    python benchmarks/study.py --dry-run                          # list the runs, train nothing
+
+The grid is a list of cells (T, budget mode, phase-end operator); each cell is one sweep
+(mima.commands.sweep.run_sweep over N and the seeds) in OUT/T<T>/<budget>/<operator>/, whose runs
+are OUT/T<T>/<budget>/<operator>/runs/N<n>-seed<s>/. Every run is fitted here first, one at a time,
+with its CPU seconds measured, and its cost written beside it (cost.json); a run that has a cost.json
+is finished and skipped, so the same command resumes the study run by run, and a finished study run
+again trains nothing. The sweep then only evaluates (its evaluation cells resume too). At the end,
+OUT/study.md and OUT/study.json: mean +- std over the seeds of each (cell, N, model) with the 95 %
+intervals `mima evaluate` writes, and OUT/costs.md: each run's measured cost beside the plan's.
+
+What "cost" holds (cost.json):
+  cpu_s            user + system CPU seconds of the fit: this process's threads
+                   (time.process_time) plus any child processes that ended during it (loader
+                   workers; resource.getrusage RUSAGE_CHILDREN); measured
+  wall_s           wall-clock seconds of the fit; measured
+  sync_bytes       bytes sent plus received at the syncs by the run's processes; measured as 0: the
+                   study's runs are single-process (W = 1), where the phase average is taken in
+                   memory and nothing crosses a process boundary
+  plan_sync_bytes  `mima plan`'s prediction for the run as trained (W = 1): 0
+  plan_sync_bytes_federated  `mima plan`'s prediction at W = T (one process per task, the
+                   federated view: each process sends its task's state and receives the others'
+                   at each of the N - 1 syncs), summed over the syncs, per process; computed, not
+                   measured
+  plan_cpu_s       `mima plan` has no CPU time model (its timing is a GPU estimate): null
+A cell's evaluation (every final merge of every run, hyperparameters chosen on validation) is timed
+apart, once, in OUT/T<T>/<budget>/<operator>/evaluation_cost.json (CPU and wall seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from offline_suite import suite_config  # noqa: E402
+
+from mima.commands.fit.run import run_fit  # noqa: E402
+from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
+from mima.config.run_config import load_run_config  # noqa: E402
+from mima.core.errors import MimaError  # noqa: E402
+from mima.core.files import read_json  # noqa: E402
+from mima.core.run_folder import SweepFolder  # noqa: E402
+
+COST_FILE = "cost.json"  # beside a run's config.yaml: the run is finished and measured
+EVALUATION_COST_FILE = "evaluation_cost.json"  # in a cell's folder: its first evaluation (every merge, every run)
+
+# The phase-end operators: the model settings each sets (mima.config.model.ModelSettings). ATM is
+# task arithmetic at the paper's lam 0.3; outer_nesterov takes DiLoCo's defaults (outer lr 0.7,
+# momentum 0.9); FedProx adds mu/2 ||theta - theta_s||^2 to each task's loss at a mu from the middle
+# of FedProx's grid {0.001, 0.01, 0.1, 1}, with the uniform average at the syncs.
+OPERATORS: dict[str, dict] = {
+    "uniform": {"sync_merge": "uniform"},
+    "atm": {"sync_merge": "task_arithmetic", "sync_merge_args": {"lam": 0.3}},
+    "ties": {"sync_merge": "ties"},
+    "outer_nesterov": {"sync_merge": "outer_nesterov"},
+    "fedprox": {"sync_merge": "uniform", "proximal_mu": 0.01},
+}
+# The operators whose run at N = 1 is MIMA's own (they act only at a sync, and N = 1 has none): their
+# N = 1 is not trained again but shared with uniform's. FedProx pulls towards theta_0 even at N = 1.
+ACTS_ONLY_AT_SYNCS = frozenset({"atm", "ties", "outer_nesterov"})
+BUDGET_MODES = ("equal", "proportional")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One sweep of the study: T tasks of the offline family, a budget mode and a phase-end operator."""
+
+    tasks: int
+    budget: str  # "equal" (S per task) or "proportional" (S_t by training-set size, the same total)
+    operator: str
+    iterations: tuple[int, ...]
+    merges: tuple[str, ...]  # the final merges
+    joint: bool  # also the joint baseline (equal budgets only)
+
+    def folder(self, out: Path) -> Path:
+        return out / f"T{self.tasks}" / self.budget / self.operator
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    seeds: tuple[int, ...]
+    cells: tuple[Cell, ...]
+    steps: int | None = None  # S per task; None: the config's (configs/offline.yaml: 200)
+    notes: tuple[str, ...] = field(default=())
+    family: tuple[str, ...] | None = None  # the tasks T counts from; None: the offline family (FAMILY)
+    select_on_val: bool = True  # merges' hyperparameters chosen on the validation split
+
+
+ALL_MERGES = ("uniform", "task_arithmetic", "ties", "tsv", "adamerging")
+FEW_MERGES = ("uniform", "task_arithmetic")  # at T = 8 and 12: the compute stays inside the machine
+
+
+def full_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
+    """Issue 38's grid: at T = 4 every operator x both budget modes x N in 1 2 4 8 x every final merge;
+    at T = 8 and 12 MIMA (uniform) and the joint model, equal budgets, two final merges."""
+    iterations = (1, 2, 4, 8)
+    cells = [Cell(4, budget, operator, iterations, ALL_MERGES, joint=budget == "equal" and operator == "uniform")
+             for budget in BUDGET_MODES for operator in OPERATORS]
+    cells += [Cell(t, "equal", "uniform", iterations, FEW_MERGES, joint=True) for t in (8, 12)]
+    return Grid("full", tuple(seeds), tuple(cells))
+
+
+def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
+    """What fits in about 3 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal
+    budgets, N in 1 8, the five operators, every final merge, the joint model: 22 fits at 3 seeds."""
+    iterations = (1, 8)
+    cells = tuple(Cell(4, "equal", operator, iterations, ALL_MERGES, joint=operator == "uniform") for operator in OPERATORS)
+    return Grid("reduced", tuple(seeds), cells, notes=("N = 2 and 4, proportional budgets, T = 8 and 12 left out",))
+
+
+GRIDS = {"full": full_grid, "reduced": reduced_grid}
+
+
+# ------------------------------------------------------------------------------ budgets
+def training_set_sizes(tasks: Sequence[str]) -> dict[str, int]:
+    """Each offline-family task's training-set size (the official train split less the validation
+    split mima.data.offline.suite_split_indices takes; a rotation has its source's size)."""
+    from mima.data import offline
+
+    source_of = {offline.rotated_name(source, degrees): source for source in offline.SOURCES for degrees in offline.ROTATIONS}
+    sizes = {}
+    for task in tasks:
+        if task not in source_of:
+            raise MimaError(f"study: task {task} is not in the offline task family (mima.data.offline.FAMILY)")
+        official = len(offline.SOURCES[source_of[task]][2](None)["train"][1])
+        sizes[task] = len(offline.suite_split_indices(official, 1, split_seed=0)["train"])
+    return sizes
+
+
+def proportional_budgets(steps: int, sizes: Mapping[str, int], multiple: int) -> dict[str, int]:
+    """S_t proportional to each task's training-set size, the total as close to T x `steps` as
+    whole multiples of `multiple` (every N of the cell divides S_t) allow, each at least `multiple`."""
+    total, images = steps * len(sizes), sum(sizes.values())
+    return {task: max(multiple, multiple * round(total * size / images / multiple)) for task, size in sizes.items()}
+
+
+def cell_config(base: Mapping, cell: Cell, steps: int | None, family: Sequence[str] | None = None) -> dict:
+    """The `mima fit` config of a cell: the family's first T tasks, its operator, its budgets."""
+    from mima.data.offline import family_tasks
+
+    config = copy.deepcopy(dict(base))
+    if family is None:
+        tasks = family_tasks(cell.tasks)
+    elif cell.tasks <= len(family):
+        tasks = list(family[:cell.tasks])
+    else:
+        raise MimaError(f"study: T = {cell.tasks}, but the task family has only {len(family)} tasks")
+    config["data"] = {**config["data"], "tasks": tasks}
+    s = int(steps if steps is not None else config["model"]["steps"])
+    model = {**config["model"], "sync_merge_args": None, "proximal_mu": 0.0, **OPERATORS[cell.operator], "steps": s}
+    if cell.budget == "proportional":
+        model["steps"] = proportional_budgets(s, training_set_sizes(config["data"]["tasks"]), math.lcm(*cell.iterations))
+    elif cell.budget != "equal":
+        raise MimaError(f"study: budget mode {cell.budget}; expected one of {', '.join(BUDGET_MODES)}")
+    config["model"] = model
+    return config
+
+
+def cell_iterations(cell: Cell) -> list[int]:
+    """The N this cell trains: an operator acting only at syncs shares uniform's N = 1."""
+    return [n for n in cell.iterations if not (n == 1 and cell.operator in ACTS_ONLY_AT_SYNCS)]
+
+
+# ------------------------------------------------------------------------------ one run, measured
+def fit_run_config(config: Mapping, model_settings: Mapping, seed: int | None, run_path: Path, progress: bool) -> dict:
+    """The config run_sweep gives `run_fit` for one run (mima.commands.sweep.run_sweep's loop;
+    run_sweep refuses a run whose saved config differs, so a mismatch here cannot pass unseen)."""
+    run_config = copy.deepcopy(dict(config))
+    run_config["model"] = {**run_config.get("model", {}), **model_settings}
+    if seed is not None:
+        run_config["seed_everything"] = seed
+        run_config["data"] = {**(run_config.get("data") or {}), "seed": seed}
+    run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress,
+                             "enable_model_summary": False}
+    run_config.update(out=str(run_path), overwrite=False)
+    return run_config
+
+
+def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
+    """`mima plan`'s bytes sent and received per process over the run's syncs at `world_size`."""
+    from mima.training.resource_plan import plan_for_config
+
+    plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
+    plan, _, _ = plan_for_config(load_run_config(plain), world_size=world_size)
+    return plan.sync_bytes_per_process * plan.syncs
+
+
+def fit_measured(run_config: dict, tasks: int, joint: bool) -> dict:
+    """Fit one run and return its cost record (the module docstring says what each value is)."""
+    resumed = Path(run_config["out"], "config.yaml").is_file()
+    if resumed:
+        run_config = {**run_config, "ckpt_path": "last"}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = run_fit(run_config)
+    wall = time.perf_counter() - wall
+    cpu = time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.preempted_by is not None:
+        print(f"study: {run_config['out']} stopped (state saved); run the same command to go on")
+        raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
+    cpu += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+    return {
+        "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "resumed": resumed,
+        "sync_bytes": 0,  # W = 1: the average is taken in memory, nothing is sent
+        "plan_sync_bytes": planned_sync_bytes(run_config, 1),
+        "plan_sync_bytes_federated": None if joint else planned_sync_bytes(run_config, tasks),
+        "plan_cpu_s": None,
+    }
+
+
+def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, dry_run: bool) -> list:
+    """Fit the cell's unfinished runs (measured), then its sweep (evaluation only); its results."""
+    config = cell_config(base, cell, grid.steps, grid.family)
+    folder = cell.folder(out)
+    sweep = SweepFolder(folder)
+    iterations = cell_iterations(cell)
+    settings = run_settings(sweep, iterations, list(grid.seeds), cell.joint)
+    for model_settings, seed, run_folder, label in settings:
+        cost_file = run_folder.path / COST_FILE
+        if cost_file.is_file():
+            continue
+        if dry_run:
+            print(f"would fit {run_folder.path} ({label})")
+            continue
+        print(f"study: T={cell.tasks} {cell.budget} {cell.operator}: fitting {label}")
+        run_config = fit_run_config(config, model_settings, seed, run_folder.path, progress)
+        cost = fit_measured(run_config, cell.tasks, joint="mode" in model_settings)
+        cost_file.write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
+    if dry_run:
+        return []
+    cpu, wall = time.process_time(), time.perf_counter()
+    results = run_sweep(config, folder, iterations=iterations, merges=list(cell.merges), progress=progress,
+                        select_on_val=grid.select_on_val,
+                        title=f"study T={cell.tasks} {cell.budget} {cell.operator}",
+                        extra={"study": grid.name, "operator": cell.operator, "budget": cell.budget},
+                        joint=cell.joint, seeds=list(grid.seeds))
+    evaluation = folder / EVALUATION_COST_FILE
+    if not evaluation.is_file():  # the first evaluation's; a later call resumes its cells (seconds)
+        evaluation.write_text(json.dumps({"cpu_s": round(time.process_time() - cpu, 2),
+                                          "wall_s": round(time.perf_counter() - wall, 2)}, indent=2) + "\n")
+    return results
+
+
+# ------------------------------------------------------------------------------ the tables
+def summary_rows(cell: Cell, results: Sequence) -> list[dict]:
+    """Per (N, model) of a cell: mean and sample std over the seeds of the mean test accuracy, and
+    each seed's 95 % interval (bootstrap over the images, as `mima evaluate` writes it), in %."""
+    by_key: dict[tuple[int, str], list] = {}
+    for result in results:
+        by_key.setdefault((result.N, result.model), []).append(result)
+    rows = []
+    for (n, model), group in sorted(by_key.items()):
+        means = [100 * r.mean for r in group]
+        intervals = [[100 * v for v in r.intervals["mean"]] if "mean" in r.intervals else None for r in group]
+        rows.append({"T": cell.tasks, "budget": cell.budget, "operator": cell.operator, "N": n, "model": model,
+                     "seeds": [r.seed for r in group], "accuracy": statistics.fmean(means),
+                     "accuracy_std": statistics.stdev(means) if len(means) > 1 else None,
+                     "per_seed": means, "ci95_per_seed": intervals})
+    return rows
+
+
+def cost_rows(out: Path) -> list[dict]:
+    """Every measured run of the study (its cost.json), in folder order."""
+    rows = []
+    for path in sorted(out.glob(f"T*/*/*/runs/*/{COST_FILE}")):
+        run = path.parent
+        tasks, budget, operator = run.parts[-5][1:], run.parts[-4], run.parts[-3]
+        rows.append({"T": int(tasks), "budget": budget, "operator": operator, "run": run.name, **read_json(path)})
+    return rows
+
+
+def _half_width(intervals: list) -> str:
+    widths = [(high - low) / 2 for low, high in (i for i in intervals if i)]
+    return f"{statistics.fmean(widths):.1f}" if widths else "-"
+
+
+def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> None:
+    """OUT/study.md and .json (accuracies), OUT/costs.md (each run's cost beside the plan's)."""
+    lines = [f"# The study (issue 38), grid {grid.name}, seeds {list(grid.seeds)}", "",
+             "Mean test accuracy (%) over the tasks, mean +- sample std over the seeds; 'ci95 +-': the mean "
+             "half-width of the seeds' 95 % intervals (bootstrap over the test images, `mima evaluate`).", "",
+             "| T | budget | operator | N | model | accuracy | ci95 +- | seeds |",
+             "| ---: | --- | --- | ---: | --- | ---: | ---: | --- |"]
+    for row in rows:
+        std = f" ± {row['accuracy_std']:.1f}" if row["accuracy_std"] is not None else ""
+        lines.append(f"| {row['T']} | {row['budget']} | {row['operator']} | {row['N']} | {row['model']} | "
+                     f"{row['accuracy']:.1f}{std} | {_half_width(row['ci95_per_seed'])} | "
+                     f"{' '.join(map(str, row['seeds']))} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text("\n".join(lines) + "\n")
+    evaluations = {str(path.parent.relative_to(out)): read_json(path)
+                   for path in sorted(out.glob(f"T*/*/*/{EVALUATION_COST_FILE}"))}
+    (out / "study.json").write_text(json.dumps({"grid": grid.name, "seeds": list(grid.seeds), "rows": rows,
+                                                "costs": costs, "evaluation_costs": evaluations}, indent=2) + "\n")
+    cost_lines = ["| T | budget | operator | run | CPU s (measured) | wall s | sync bytes (measured, W = 1) | "
+                  "plan: sync bytes W = 1 | plan: sync bytes per process, W = T |",
+                  "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for cost in costs:
+        federated = cost["plan_sync_bytes_federated"]
+        cost_lines.append(f"| {cost['T']} | {cost['budget']} | {cost['operator']} | {cost['run']} | {cost['cpu_s']:.0f} | "
+                          f"{cost['wall_s']:.0f} | {cost['sync_bytes']} | {cost['plan_sync_bytes']} | "
+                          f"{'-' if federated is None else federated} |")
+    (out / "costs.md").write_text("\n".join(cost_lines) + "\n")
+
+
+def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_run: bool = False) -> list[dict]:
+    """Every cell of `grid` in order (resumable run by run), then the tables; the summary rows."""
+    rows = []
+    for cell in grid.cells:
+        rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run))
+    if not dry_run:
+        write_tables(out, rows, cost_rows(out), grid)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, nargs="+", default=[ROOT / "configs" / "offline.yaml"],
+                        help="the base `mima fit` config (several: later files override earlier ones); "
+                        "the study sets the task list, operator and budgets")
+    parser.add_argument("--out", type=Path, default=Path("runs/study"), help="output folder")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="full", help="which grid (docs/results.md)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (at least 3 for the study)")
+    parser.add_argument("--steps", type=int, default=None, help="S per task (default: the config's)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs still to fit; fit nothing")
+    parser.add_argument("--progress", action="store_true", help="show progress bars")
+    options = parser.parse_args(argv)
+    grid = GRIDS[options.grid](options.seeds)
+    if options.steps is not None:
+        grid = dataclasses.replace(grid, steps=options.steps)
+    try:
+        run_study(suite_config(options.config), grid, options.out, options.progress, options.dry_run)
+    except MimaError as exc:
+        print(f"study: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""benchmarks/study.py (issue 38, item 5) on a tiny grid: the small CLIP on two digits tasks, one seed,
+N in {1, 2}, two phase-end operators (uniform and ATM), one final merge. It writes one sweep folder per
+cell with a cost record per run, the combined tables, and a second call trains nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
+from tests.conftest import fit_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ("rot90", "mirror")
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("study", ROOT / "benchmarks" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["study"] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny_grid(study):
+    cells = tuple(study.Cell(2, "equal", operator, (1, 2), ("uniform",), joint=False) for operator in ("uniform", "atm"))
+    return study.Grid("tiny", (0,), cells, steps=4, family=TASKS, select_on_val=False)
+
+
+def _final_bytes(run: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted((run / "final").glob("*.safetensors"))}
+
+
+def test_proportional_budgets_keep_the_total_and_divide_by_every_n():
+    study = _study()
+    budgets = study.proportional_budgets(200, {"a": 54000, "b": 54000, "c": 1131, "d": 54000}, multiple=8)
+    assert budgets == {"a": 264, "b": 264, "c": 8, "d": 264}  # 800 x 54000 / 163131 = 264.8 -> 264; c: at least 8
+    assert all(value % 8 == 0 for value in budgets.values())
+    assert study.proportional_budgets(100, {"a": 1, "b": 1}, multiple=4) == {"a": 100, "b": 100}
+
+
+def test_cell_config_sets_the_operator_and_only_it():
+    study = _study()
+    base = fit_config(Path("unused"), "local-dir:x", list(TASKS), steps=4, iterations=1)
+    atm = study.cell_config(base, study.Cell(1, "equal", "atm", (1, 2), ("uniform",), False), None, TASKS)
+    assert atm["data"]["tasks"] == ["rot90"] and atm["model"]["sync_merge"] == "task_arithmetic"
+    assert atm["model"]["sync_merge_args"] == {"lam": 0.3} and atm["model"]["proximal_mu"] == 0.0
+    fedprox = study.cell_config(atm, study.Cell(2, "equal", "fedprox", (1, 2), ("uniform",), False), 8, TASKS)
+    assert fedprox["model"]["sync_merge"] == "uniform" and fedprox["model"]["sync_merge_args"] is None
+    assert fedprox["model"]["proximal_mu"] == 0.01 and fedprox["model"]["steps"] == 8
+    with pytest.raises(MimaError, match="only 2 tasks"):
+        study.cell_config(base, study.Cell(3, "equal", "uniform", (1,), ("uniform",), False), None, TASKS)
+    assert [study.cell_iterations(study.Cell(4, "equal", op, (1, 2, 4), (), False)) for op in ("atm", "fedprox")] == [
+        [2, 4], [1, 2, 4]]  # ATM acts only at syncs (none at N = 1); FedProx pulls towards theta_0 at N = 1 too
+
+
+def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_clip, capsys):
+    study = _study()
+    out = tmp_path / "study"
+    base = fit_config(out, small_clip, list(TASKS), steps=4, iterations=1)
+    base.pop("out")
+    grid = _tiny_grid(study)
+    rows = study.run_study(base, grid, out)
+
+    uniform, atm = out / "T2" / "equal" / "uniform", out / "T2" / "equal" / "atm"
+    assert sorted(p.name for p in (uniform / "runs").iterdir()) == ["N1-seed0", "N2-seed0"]
+    assert sorted(p.name for p in (atm / "runs").iterdir()) == ["N2-seed0"]  # N = 1 is uniform's
+    saved = RunFolder(atm / "runs" / "N2-seed0").config_file.read_text()
+    assert "task_arithmetic" in saved and "lam: 0.3" in saved
+
+    # each run's cost: measured CPU seconds, and the plan's sync bytes computed here again from the
+    # encoder's state (one task's state sent and received per other process and sync, W = T = 2)
+    costs = json.loads((out / "study.json").read_text())["costs"]
+    assert [(c["operator"], c["run"]) for c in costs] == [("atm", "N2-seed0"), ("uniform", "N1-seed0"), ("uniform", "N2-seed0")]
+    state = RunFolder(uniform / "runs" / "N2-seed0").final("rot90")
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    for cost in costs:
+        syncs = int(cost["run"][1]) - 1
+        assert cost["cpu_s"] > 0 and cost["wall_s"] > 0 and cost["sync_bytes"] == 0 and cost["plan_sync_bytes"] == 0
+        assert cost["plan_sync_bytes_federated"] == 2 * state_bytes * syncs
+    assert len((out / "costs.md").read_text().splitlines()) == 2 + 3
+    evaluations = json.loads((out / "study.json").read_text())["evaluation_costs"]
+    assert sorted(evaluations) == ["T2/equal/atm", "T2/equal/uniform"] and all(e["wall_s"] > 0 for e in evaluations.values())
+
+    # the combined table: each (cell, N, model) as the cell's own results.json has it
+    for folder, operator in ((uniform, "uniform"), (atm, "atm")):
+        table = json.loads((folder / "results.json").read_text())
+        for row in table:
+            if row["task"] != "mean" or row.get("seed") == "mean":  # one seed: no aggregate rows
+                continue
+            ours, = [r for r in rows if (r["operator"], r["N"], r["model"]) == (operator, row["N"], row["model"])]
+            assert ours["per_seed"] == [pytest.approx(100 * row["accuracy"], abs=1e-9)]
+            assert ours["accuracy"] == pytest.approx(statistics.fmean(ours["per_seed"]), abs=1e-12)
+            assert ours["ci95_per_seed"] == [[pytest.approx(100 * v, abs=1e-9) for v in row["ci95"]]]
+    assert {(r["operator"], r["N"]) for r in rows if r["model"] == "uniform"} == {("uniform", 1), ("uniform", 2), ("atm", 2)}
+    markdown = (out / "study.md").read_text()
+    n2 = [r for r in rows if (r["operator"], r["N"], r["model"]) == ("atm", 2, "uniform")][0]
+    assert f"| 2 | equal | atm | 2 | uniform | {n2['accuracy']:.1f} |" in markdown
+
+    # a second call trains nothing: same final weights and cost records, every run found finished
+    finals = {run: _final_bytes(run) for run in out.glob("T2/equal/*/runs/*")}
+    records = {path: path.read_bytes() for path in [*out.glob("T2/equal/*/runs/*/cost.json"), *out.glob("T2/equal/*/evaluation_cost.json")]}
+    capsys.readouterr()
+    again = study.run_study(base, grid, out)
+    printed = capsys.readouterr().out
+    assert "fitting" not in printed and printed.count("has finished") == 3
+    assert {run: _final_bytes(run) for run in finals} == finals
+    assert {path: path.read_bytes() for path in records} == records
+    assert again == rows
