@@ -15,6 +15,22 @@ The pieces, by package (imports go one way, top to bottom; tests/test_architectu
                    the sweep, the evaluation of runs, the demo, the report, merges of files) and the
                    COMMANDS table
   mima.cli         the command line: parses and dispatches through that table
+  mima.api         the commands as Python functions for notebooks (docs/api.md): mima.fit, mima.plan,
+                   mima.merge, mima.evaluate, mima.load_results, mima.MimaError, loaded on first use
 """
 
 __version__ = "0.1.0"
+
+# The Python API (mima.api), loaded when one of its names is first used: `import mima` and the
+# command line stay free of torch.
+_API_NAMES = ("MimaError", "evaluate", "fit", "load_results", "merge", "plan")
+
+__all__ = ["__version__", *_API_NAMES]
+
+
+def __getattr__(name: str) -> object:
+    if name in _API_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("mima.api"), name)
+    raise AttributeError(f"module 'mima' has no attribute {name!r}")

@@ -8,7 +8,8 @@
     convert (reading pickled modules without running them; transformers CLIP <-> open_clip) above models
     analysis, then the commands (mima/commands/: one module or package per command, its options, parse and
     main, and what it runs; the COMMANDS table), then the CLI (mima.cli, mima.__main__: parse and dispatch)
-    nothing imports the CLI, and only the CLI imports the commands
+    beside the CLI, the Python API (mima.api: the commands as functions), which nothing in the package imports
+    nothing imports the CLI, and only the CLI and the API import the commands
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ ALLOWED: dict[str, set[str]] = {
     "convert": {"core", "data", "config", "models"},
     "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
     "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
+            "commands"},
+    # mima.api: the commands as Python functions (mima/__init__.py loads it by name, on first use)
+    "api": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
             "commands"},
     "package": set(),  # mima/__init__.py
 }
@@ -142,6 +146,8 @@ def test_the_package_follows_its_import_rules():
          "mima.analysis.cosine.command (analysis) imports mima.commands (commands)"),
         ("mima.commands.merge", "    from mima.cli import main", "mima.commands.merge imports the CLI (mima.cli)"),
         ("mima.training.sync", "from mima.pools import TaskPool", "mima.training.sync (training) imports mima.pools (pools)"),
+        ("mima.commands.merge.run", "    from mima.api import merge", "mima.commands.merge.run (commands) imports mima.api (api)"),
+        ("mima.api", "from mima.cli import main", "mima.api imports the CLI (mima.cli)"),
     ],
 )
 def test_an_added_forbidden_import_is_caught(module, added, expected):

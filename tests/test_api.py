@@ -1,0 +1,226 @@
+"""The Python API (mima.api): docs/api.md's examples run as written, and each result equals what the
+command gives on the same inputs (the same tensors bit for bit, the same JSON, the same error line);
+`import mima` stays free of torch."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import mima
+from mima.cli import main
+from mima.core.errors import MimaError
+from mima.core.safetensors_io import load_state_dict
+from tests.conftest import merge_argv
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """(line, code) of each ```python block of the page, in order."""
+    blocks, code, start = [], None, 0
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        if code is None and line.strip() == "```python":
+            code, start = [], number + 1
+        elif code is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(code) + "\n"))
+            code = None
+        elif code is not None:
+            code.append(line)
+    return blocks
+
+
+def close(ours, theirs, rel: float = 1e-3) -> bool:
+    """Nested JSON values equal, numbers to `rel`."""
+    if isinstance(theirs, dict):
+        return isinstance(ours, dict) and ours.keys() == theirs.keys() and all(close(ours[k], theirs[k], rel) for k in theirs)
+    if isinstance(theirs, list):
+        return isinstance(ours, list) and len(ours) == len(theirs) and all(close(a, b, rel) for a, b in zip(ours, theirs))
+    if isinstance(theirs, (int, float)) and not isinstance(theirs, bool):
+        return ours == pytest.approx(theirs, rel=rel)
+    return ours == theirs
+
+
+def command(*argv: str) -> tuple[int, str, str]:
+    """`mima ARGV...` in this process: (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([str(word) for word in argv])
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_the_page_has_an_example_of_every_function():
+    code = "".join(block for _, block in python_blocks(PAGE))
+    assert len(python_blocks(PAGE)) >= 6
+    for name in ("fit", "plan", "merge", "evaluate", "load_results", "MimaError"):
+        assert f"mima.{name}(" in code or f"mima.{name} " in code, name
+
+
+@pytest.mark.slow
+def test_the_pages_examples_run_and_equal_the_commands(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    printed = io.StringIO()
+    for line, code in python_blocks(PAGE):
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, f"{PAGE}:{line}", "exec"), namespace)  # noqa: S102  (the page's own code)
+    run, config = namespace["run"], namespace["config"]
+    shown = printed.getvalue()
+
+    # fit: the command on the same config (the override as its flag) trains the same task models
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    status, _, err = command("fit", "--config", config_file, "--model.iterations", "2", "--out", tmp_path / "runs/cli-N2")
+    assert status == 0, err
+    for task in ("rot90", "mirror"):
+        ours, theirs = load_state_dict(run / "final" / f"{task}.safetensors"), load_state_dict(tmp_path / f"runs/cli-N2/final/{task}.safetensors")
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["iterations"] == 2
+
+    # plan: `mima plan --json` of the same config (written as mima.plan writes a dict), in a process of its
+    # own as mima.plan runs it; that process's resident memory (the interpreter's share of host memory)
+    # is measured, not computed, so it is left out
+    with tempfile.TemporaryDirectory(prefix="mima-api-") as folder:
+        (Path(folder) / "config.yaml").write_text(yaml.safe_dump(config))
+        done = subprocess.run([sys.executable, "-m", "mima", "plan", "--config", str(Path(folder) / "config.yaml"),
+                               "--trainer.devices", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ours, theirs = namespace["cost"], json.loads(done.stdout)
+    assert ours.keys() == theirs.keys() and ours["world_size"] == 2 and ours["tasks_per_process"] == theirs["tasks_per_process"]
+    measured = {"host_memory_per_process", "host_memory_parts", "host_memory_per_node"}
+    # the planned file sizes (and the SLURM lead they give) come from serialised states, which vary by a
+    # few hundred bytes in 8 MB
+    # between two `mima plan` processes of the same config under pytest: equal to 0.1 %
+    sizes = {"checkpoint_file_bytes", "checkpoint_files", "bytes_written", "bytes_written_parts", "peak_disk_bytes", "choices"}
+    differing = {key: (ours[key], theirs[key]) for key in theirs if ours[key] != theirs[key] and key not in measured | sizes}
+    assert differing == {}, differing
+    for key in sizes & theirs.keys():
+        assert close(ours[key], theirs[key]), (key, ours[key], theirs[key])
+    assert ours["host_memory_parts"]["interpreter_and_libraries"] == pytest.approx(
+        theirs["host_memory_parts"]["interpreter_and_libraries"], rel=0.1)
+
+    # merge in memory: bit for bit the file `mima merge` writes, from the run folder and from tensors
+    status, _, err = command("merge", "--method", "task_arithmetic", "--models", run, "--output", tmp_path / "ta.safetensors",
+                             "--lam", "0.5")
+    assert status == 0, err
+    written = load_state_dict(tmp_path / "ta.safetensors")
+    for merged in (namespace["merged"], namespace["same"]):
+        assert list(merged) == list(written) and all(torch.equal(merged[k], written[k]) for k in written)
+    theta_0 = load_state_dict(run / "pretrained.safetensors")
+    tuned = [load_state_dict(run / "final" / f"{task}.safetensors") for task in ("rot90", "mirror")]
+    key = next(iter(written))  # the rule itself: theta_0 + lam * (tau_1 + tau_2)
+    assert torch.allclose(written[key], theta_0[key] + 0.5 * ((tuned[0][key] - theta_0[key]) + (tuned[1][key] - theta_0[key])),
+                          atol=1e-6)
+    assert "True\n" in shown
+
+    # merge to a file: the command's file and results
+    status, _, err = command("merge", "--method", "ties", "--models", run, "--output", tmp_path / "cli-ties.safetensors",
+                             "--k", "20")
+    assert status == 0, err
+    ours, theirs = load_state_dict(tmp_path / "ties.safetensors"), load_state_dict(tmp_path / "cli-ties.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs) and ours.keys() == theirs.keys()
+    results = [json.loads((tmp_path / f"{name}.safetensors.results.json").read_text()) for name in ("ties", "cli-ties")]
+    assert results[0] == results[1] and set(results[0]["test_accuracy"]) == {"rot90", "mirror", "mean"}
+
+    # the error: the command's line after "error: "
+    status, _, err = command("merge", "--method", "ties", "--models", run, "--output", tmp_path / "x.safetensors", "--lamda", "2.0")
+    assert status == 2 and err.strip() == f"mima merge: error: {namespace['message']}"
+    assert namespace["message"] == "unrecognized option --lamda; did you mean --lam? (see mima merge --help)"
+
+    # evaluate and load_results: results.json's rows, as `mima evaluate` writes them
+    status, _, err = command("evaluate", run, "--out", tmp_path / "cli-table", "--merges", "task_arithmetic", "--no-select")
+    assert status == 0, err
+    expected = json.loads((tmp_path / "cli-table" / "results.json").read_text())
+    assert namespace["rows"] == expected == json.loads((tmp_path / "table" / "results.json").read_text())
+    assert {row["model"] for row in expected} == {"zero_shot", "fine_tuned", "task_arithmetic"}
+    assert shown.rstrip().endswith("True")
+
+
+# ------------------------------------------------------------------------------ without the page
+def test_merge_of_files_equals_the_commands_file(encoders, tmp_path):
+    assert command(*merge_argv("ties", encoders, tmp_path / "cli.safetensors", "--lam", "0.7"))[0] == 0
+    written = load_state_dict(tmp_path / "cli.safetensors")
+    from_files = mima.merge([encoders["m1"], encoders["m2"]], "ties", base=encoders["base"], lam=0.7)
+    in_memory = mima.merge([load_state_dict(encoders[m]) for m in ("m1", "m2")], "ties",
+                           base=load_state_dict(encoders["base"]), lam=0.7)
+    for merged in (from_files, in_memory):
+        assert list(merged) == list(written) and all(torch.equal(merged[k], written[k]) for k in written)
+    # with output, the command's own file (metadata included)
+    path = mima.merge([encoders["m1"], encoders["m2"]], "ties", base=encoders["base"], output=tmp_path / "api.safetensors",
+                      lam=0.7)
+    assert path.read_bytes() == (tmp_path / "cli.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("call, argv", [
+    (dict(method="tie"), ["--method", "tie"]),
+    (dict(method="ties", lamda=2.0), ["--method", "ties", "--lamda", "2.0"]),
+    (dict(method="uniform", lam=0.5), ["--method", "uniform", "--lam", "0.5"]),
+    (dict(method="ties", k=-1.0), ["--method", "ties", "--k", "-1.0"]),
+    (dict(method="task_arithmetic", base=None), ["--method", "task_arithmetic"]),
+], ids=["unknown-method", "unknown-hyperparameter", "not-the-methods", "bad-value", "no-base"])
+def test_a_mistake_is_the_commands_line(encoders, tmp_path, call, argv):
+    call = {"base": encoders["base"], **call}
+    models = [encoders["m1"], encoders["m2"]]
+    if call["base"] is not None and "--method" in argv:
+        argv = argv + ["--base", str(encoders["base"])]
+    status, _, err = command("merge", *argv, "--models", *models, "--output", tmp_path / "m.safetensors")
+    assert status == 2
+    line = re.sub(r"^mima merge: error: ", "", err.strip())
+    with pytest.raises(MimaError) as raised:
+        mima.merge(models, **call)
+    assert str(raised.value) == line
+    with pytest.raises(MimaError) as raised:  # in memory too
+        mima.merge([load_state_dict(path) for path in models], **{**call, "base": load_state_dict(call["base"])
+                                                                    if call["base"] is not None else None})
+    assert str(raised.value) == line
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_plan_raises_the_commands_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mima", "plan", "--config", "missing.yaml", "--trainer.devices", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    with pytest.raises(MimaError) as raised:
+        mima.plan(tmp_path / "missing.yaml", devices=0)
+    assert done.stderr.strip() == f"mima plan: error: {raised.value}".replace(str(tmp_path / "missing.yaml"), "missing.yaml")
+    assert str(raised.value).endswith("--trainer.devices 0: expected a positive number (see mima plan --help)")
+
+
+def test_load_results_reads_the_rows_and_names_a_missing_file(tmp_path):
+    rows = [{"N": 1, "model": "fine_tuned", "task": "rot90", "accuracy": 0.5, "mean_cos_tau": None},
+            {"N": 1, "model": "fine_tuned", "task": "mean", "accuracy": 0.5, "mean_cos_tau": None}]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    assert mima.load_results(tmp_path) == rows
+    with pytest.raises(MimaError, match=re.escape(f"{tmp_path / 'none'}: no results.json")):
+        mima.load_results(tmp_path / "none")
+
+
+def test_fit_refuses_several_devices_before_any_work(tmp_path):
+    with pytest.raises(MimaError, match=r"^trainer.devices 2: mima.fit runs in this process on one device"):
+        mima.fit({"model": {"clip": "embedded:tiny-digits"}}, out=tmp_path / "run", trainer={"devices": 2})
+    with pytest.raises(MimaError, match=r"^--config missing.yaml: no such file$"):  # `mima fit`'s own check
+        mima.fit("missing.yaml")
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_mima_loads_no_torch_until_a_function_is_used():
+    script = ("import sys, mima\n"
+              "heavy = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'open_clip'))\n"
+              "print('BEFORE', heavy(), 'mima.api' in sys.modules)\n"
+              "mima.load_results\n"
+              "print('AFTER', 'mima.api' in sys.modules)\n"
+              "try:\n    mima.nothing\nexcept AttributeError as error:\n    print('MISSING', error)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "BEFORE [] False" in result.stdout and "AFTER True" in result.stdout, result.stdout
+    assert "MISSING module 'mima' has no attribute 'nothing'" in result.stdout
