@@ -6,7 +6,11 @@ import json
 import os
 from pathlib import Path
 
-import open_clip
+# before torch is loaded (open_clip loads it), as mima/__init__.py sets it for the commands: waiting
+# OpenMP threads sleep, so a test process on a busy machine is not held up by threads spinning elsewhere
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import open_clip  # noqa: E402
 import pytest
 import torch
 
