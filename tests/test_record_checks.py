@@ -22,10 +22,12 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from mima.commands.fit.run import run_fit
 from mima.core.errors import MimaError
 from mima.core.run_lock import RunLock
+from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.evaluation.cells import Cell, CellStore, cell_check, manifest_fingerprint
 from tests.conftest import fit_config
 from tests.helpers import assert_one_line, cli, copy_run
@@ -245,3 +247,21 @@ def test_a_damaged_manifest_keeps_the_finished_cells_and_names_the_file(run, unt
     assert f"{cells} cells already done" in again.out  # none evaluated again
     assert sum(path.read_text().count("\n") for path in (out / "cells").glob("*.jsonl")) == cells
     assert json.loads((out / "results.json").read_text()) == untampered["rows"]
+
+
+def test_evaluating_a_run_with_nan_weights_is_one_line_naming_the_file(run, tmp_path, capfd):
+    """A run's model holding NaN (mima fit never writes one: the file was edited) is refused when it is first
+    read, naming the file, and nothing is published; the line suggests no flag `mima evaluate` lacks."""
+    copy = tmp_path / "N1"
+    shutil.copytree(run, copy)
+    damaged = copy / "final" / "mirror.safetensors"
+    weights = load_state_dict(damaged)
+    key = next(iter(weights))
+    weights[key] = torch.full_like(weights[key], float("nan"))
+    save_state_dict(damaged, weights)
+    out = tmp_path / "table"
+    result = cli(_evaluate_argv(copy, out), capfd)
+    errors = "\n".join(line for line in result.err.splitlines() if " cells of process 0 " not in line)  # not progress
+    assert_one_line(result.code, errors, f"{damaged}: tensor '{key}' holds NaN or Inf values, which mima fit never writes")
+    assert "--allow-non-finite" not in result.err
+    assert not (out / "results.json").exists()

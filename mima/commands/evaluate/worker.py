@@ -11,6 +11,7 @@ import torch
 from mima.commands.evaluate.dealing import Unit
 from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, grid_merges, merge_at, validation_score
+from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings
@@ -47,7 +48,8 @@ class Worker:
         if self.loaded is None or self.loaded[0] != index:
             self.loaded = None  # free the previous run's models first
             run = self.evaluation.runs[index]
-            self.loaded = (index, run.pretrained(), [run.final(task) for task in self.evaluation.tasks])
+            self.loaded = (index, finite(run.pretrained(), run.pretrained_file),
+                           [finite(run.final(task), run.final_file(task)) for task in self.evaluation.tasks])
         return self.loaded[1], self.loaded[2]
 
     def _evaluate(self, run_id: str, model: str, point: str, split: str, tasks: list[str], weights) -> None:
@@ -68,12 +70,13 @@ class Worker:
         tasks = evaluation.tasks
         if unit.kind == "joint":
             joint = evaluation.joint
-            self._evaluate(evaluation.run_id(joint), JOINT, NO_POINT, "test", tasks, joint.joint)
+            self._evaluate(evaluation.run_id(joint), JOINT, NO_POINT, "test", tasks,
+                           lambda: finite(joint.joint(), joint.final_file(JOINT)))
             return
         run = evaluation.runs[unit.run]
         run_id = evaluation.run_id(run)
         if unit.kind == "zero_shot":
-            self._evaluate(run_id, "zero_shot", NO_POINT, "test", tasks, run.pretrained)
+            self._evaluate(run_id, "zero_shot", NO_POINT, "test", tasks, lambda: finite(run.pretrained(), run.pretrained_file))
         elif unit.kind == "fine_tuned":
             for position, task in enumerate(tasks):
                 self._evaluate(run_id, "fine_tuned", NO_POINT, "test", [task], lambda p=position: self._models(unit.run)[1][p])
@@ -114,3 +117,15 @@ class Worker:
         chosen = best.point
         weights = kept.get(chosen) or (lambda: merge_at(method, chosen, models, lambda: self.pool))
         self._evaluate(run_id, method.name, chosen, "test", tasks, weights)
+
+
+def finite(weights: dict, path) -> dict:
+    """`weights` read from `path`, refused in one line if a tensor holds NaN or Inf: `mima fit` never
+    writes such weights (mima.training.divergence), so the file was damaged or edited, and its accuracy
+    or any merge of it would be meaningless."""
+    for key, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise MimaError(f"{path}: tensor '{key}' holds NaN or Inf values, which mima fit never writes (the file was "
+                            "damaged or edited); restore it or train the run again")
+    return weights
+
