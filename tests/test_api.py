@@ -98,14 +98,14 @@ def test_the_pages_examples_run_and_equal_the_commands(tmp_path, monkeypatch):
     ours, theirs = namespace["cost"], json.loads(done.stdout)
     assert ours.keys() == theirs.keys() and ours["world_size"] == 2 and ours["tasks_per_process"] == theirs["tasks_per_process"]
     measured = {"host_memory_per_process", "host_memory_parts", "host_memory_per_node"}
-    # the planned file sizes (and the SLURM lead they give) come from serialised states, which vary by a
-    # few hundred bytes in 8 MB
-    # between two `mima plan` processes of the same config under pytest: equal to 0.1 %
+    # the planned file sizes (and the SLURM lead they give) come from states serialised in each process,
+    # which vary between two `mima plan` processes of the same config (a process state of 18.7 KB
+    # differed by 64 bytes, 0.34 %, on a loaded clean clone): equal to 1 %
     sizes = {"checkpoint_file_bytes", "checkpoint_files", "bytes_written", "bytes_written_parts", "peak_disk_bytes", "choices"}
     differing = {key: (ours[key], theirs[key]) for key in theirs if ours[key] != theirs[key] and key not in measured | sizes}
     assert differing == {}, differing
     for key in sizes & theirs.keys():
-        assert close(ours[key], theirs[key]), (key, ours[key], theirs[key])
+        assert close(ours[key], theirs[key], rel=0.01), (key, ours[key], theirs[key])
     assert ours["host_memory_parts"]["interpreter_and_libraries"] == pytest.approx(
         theirs["host_memory_parts"]["interpreter_and_libraries"], rel=0.1)
 
