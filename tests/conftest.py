@@ -134,14 +134,18 @@ def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: i
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory, small_clip) -> dict[str, Path]:
     """theta_0 and two fine-tuned-like image encoders of the small CLIP, as safetensors files."""
-    folder = tmp_path_factory.mktemp("encoders")
     base = {k: v.clone() for k, v in open_clip.create_model(small_clip).visual.state_dict().items()}
+    return write_encoders(tmp_path_factory.mktemp("encoders"), base, scale=0.01)
+
+
+def write_encoders(folder: Path, base: dict, scale: float) -> dict[str, Path]:
+    """`base` and two models base + scale x N(0, 1) noise (seeds 1, 2) as safetensors files in `folder`."""
     paths = {"base": folder / "base.safetensors"}
     save_state_dict(paths["base"], base)
     for index in (1, 2):
         generator = torch.Generator().manual_seed(index)
         paths[f"m{index}"] = folder / f"m{index}.safetensors"
-        save_state_dict(paths[f"m{index}"], {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in base.items()})
+        save_state_dict(paths[f"m{index}"], {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in base.items()})
     return paths
 
 

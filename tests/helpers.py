@@ -774,3 +774,16 @@ class ShouldStopAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             trainer.should_stop = True
+
+
+def assert_killed_and_resumed_ends_as(tmp_path: Path, clip: str, tasks: list[str], model: dict, expected: dict,
+                                      step: int = 20) -> None:
+    """A W = 2 run of `model`'s options, SIGKILLed at `step` and resumed with --ckpt_path last, ends with
+    the task models `expected`."""
+    out = tmp_path / "killed"
+    killed = run_job(write_config(tmp_path / "kill.yaml", clip, tasks, 2, [("KillAtStep", {"step": step})], model=model), out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run_job(write_config(tmp_path / "resume.yaml", clip, tasks, 2, model=model), out, "--ckpt_path", "last")
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert_identical(finals(out, tasks), expected)
+

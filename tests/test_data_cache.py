@@ -89,13 +89,19 @@ def test_cached_evaluation_path_gives_open_clip_tensors(tmp_path, task):
         assert np.array_equal(first, expected)
 
 
-def test_a_changed_source_file_rebuilds_the_cache_and_an_unchanged_one_does_not(tmp_path):
-    size = 16
+def _cached_pngs(tmp_path, size: int) -> tuple[dict, object]:
+    """A custom task of PNGs with data.cache on, its cache built once: (data settings, preprocess)."""
     preprocess, _ = _transforms(size)
     _write_pngs(tmp_path / "pngs")
     settings = {"suite": None, "custom_tasks": [{"name": "pngs", "path": str(tmp_path / "pngs")}],
                 "cache": True, "cache_dir": str(tmp_path / "cache")}
     TaskSuiteDataModule(**settings).task_data("pngs", size, preprocess)
+    return settings, preprocess
+
+
+def test_a_changed_source_file_rebuilds_the_cache_and_an_unchanged_one_does_not(tmp_path):
+    size = 16
+    settings, preprocess = _cached_pngs(tmp_path, size)
     (folder,) = (tmp_path / "cache").iterdir()
     stamps = {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
     fingerprints = {split: json.loads((folder / f"{split}.json").read_text())["fingerprint"] for split in ("train", "val", "test")}
@@ -340,11 +346,7 @@ def test_a_cache_file_zeroed_in_place_is_found_and_decoded_again(tmp_path, capfd
     """issue 41, item 7: a .npy changed after it was written (here its image bytes zeroed, the size and the
     sidecar untouched) no longer trains silently: its checksum says so, the split is decoded again."""
     size = 16
-    preprocess, _ = _transforms(size)
-    _write_pngs(tmp_path / "pngs")
-    settings = {"suite": None, "custom_tasks": [{"name": "pngs", "path": str(tmp_path / "pngs")}],
-                "cache": True, "cache_dir": str(tmp_path / "cache")}
-    TaskSuiteDataModule(**settings).task_data("pngs", size, preprocess)
+    settings, preprocess = _cached_pngs(tmp_path, size)
     (folder,) = (tmp_path / "cache").iterdir()
     train = folder / "train.npy"
     good = train.read_bytes()

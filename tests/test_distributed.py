@@ -24,8 +24,8 @@ import yaml
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
 from mima.training.sync_merge import SyncMerge
-from tests.helpers import (FOUR, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical, assert_trained, finals,
-                           job_environment, logged_losses, run_job, tree, write_config)
+from tests.helpers import (FOUR, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical,
+                           assert_killed_and_resumed_ends_as, assert_trained, finals, job_environment, logged_losses, run_job, tree, write_config)
 
 
 CHECKPOINTS = "checkpoints"  # the run-folder contract, spelled independently of mima.core.run_folder
@@ -290,14 +290,7 @@ def test_ties_at_the_sync_is_the_same_at_w2_after_a_sigkill(tmp_path, small_clip
                                             for k in expected[task])]
     assert changed == FOUR  # the operator made a difference: every task model differs from MIMA's
     # W = 2, killed mid-run and resumed, ends with the one-process run's task models
-    killed_out = tmp_path / "killed"
-    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 20})],
-                                  model=TIES_AT_SYNC), killed_out)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    resumed = run_job(write_config(tmp_path / "w2.yaml", small_clip, FOUR, 2, model=TIES_AT_SYNC), killed_out,
-                      "--ckpt_path", "last")
-    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
-    assert_identical(finals(killed_out, FOUR), expected)
+    assert_killed_and_resumed_ends_as(tmp_path, small_clip, FOUR, TIES_AT_SYNC, expected)
 
 
 def test_task_arithmetic_at_one_over_t_is_the_average(tmp_path, small_clip, reference):

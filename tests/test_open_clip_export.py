@@ -18,7 +18,7 @@ from open_clip.transformer import QuickGELU
 from mima.cli import main
 from mima.config.run_config import load_run_config
 from mima.core.safetensors_io import load_state_dict, read_metadata
-from tests.conftest import fit_config
+from tests.conftest import fit_config, write_encoders
 from tests.helpers import assert_one_line
 
 TASKS = ["rot90", "mirror"]
@@ -253,15 +253,8 @@ def test_a_merged_demo_model_gives_mimas_zero_shot_accuracy_with_open_clip_alone
     zero-shot accuracy is far from chance): a merge of two perturbed copies of its image tower, exported
     with --format open-clip, classifies every task's test split as mima's evaluation says."""
     from mima.models.clip import load_clip
-    from mima.core.safetensors_io import save_state_dict
 
-    base = load_clip("embedded:tiny-digits").encoder.state_dict()
-    paths = {"base": tmp_path / "base.safetensors"}
-    save_state_dict(paths["base"], base)
-    for index in (1, 2):
-        generator = torch.Generator().manual_seed(index)
-        paths[f"m{index}"] = tmp_path / f"m{index}.safetensors"
-        save_state_dict(paths[f"m{index}"], {k: v + 0.002 * torch.randn(v.shape, generator=generator) for k, v in base.items()})
+    paths = write_encoders(tmp_path, load_clip("embedded:tiny-digits").encoder.state_dict(), scale=0.002)
     config = write_run_config(tmp_path, "embedded:tiny-digits")
     output = tmp_path / "demo-clip"
     main(merge_args(paths, config, output, "--format", "open-clip"))

@@ -21,7 +21,8 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.training.module import MimaModule
 from mima.training.sync_merge import SyncMerge, outer_nesterov_step
-from tests.helpers import FOUR, TWO, assert_identical, assert_trained, finals, run_job, write_config
+from tests.helpers import (FOUR, TWO, assert_identical, assert_killed_and_resumed_ends_as, assert_trained, finals, run_job,
+                           write_config)
 
 OUTER = {"sync_merge": "outer_nesterov", "sync_merge_args": {"outer_lr": 0.7, "outer_momentum": 0.9}}
 PLAIN_OUTER = {"sync_merge": "outer_nesterov", "sync_merge_args": {"outer_lr": 1.0, "outer_momentum": 0.0}}
@@ -231,11 +232,4 @@ def test_the_proximal_term_is_the_same_at_w2_and_after_a_sigkill(tmp_path, small
     two = tmp_path / "w2"
     assert run_job(write_config(tmp_path / "w2.yaml", small_clip, FOUR, 2, model=PROXIMAL), two).returncode == 0
     assert_identical(finals(two, FOUR), expected)
-    killed_out = tmp_path / "killed"
-    killed = run_job(write_config(tmp_path / "kill.yaml", small_clip, FOUR, 2, [("KillAtStep", {"step": 20})],
-                                  model=PROXIMAL), killed_out)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    resumed = run_job(write_config(tmp_path / "resume.yaml", small_clip, FOUR, 2, model=PROXIMAL), killed_out,
-                      "--ckpt_path", "last")
-    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
-    assert_identical(finals(killed_out, FOUR), expected)
+    assert_killed_and_resumed_ends_as(tmp_path, small_clip, FOUR, PROXIMAL, expected)
