@@ -272,7 +272,7 @@ def _build_split(dataset: Dataset, image_size: int, target: Path, workers: int, 
     with atomic_path(target) as temporary:
         images = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.uint8, shape=(count, 3, image_size, image_size))
         position = 0
-        with tqdm(total=count, desc=f"caching {what}", unit="img", disable=not progress, mininterval=1.0, leave=False) as bar:
+        with tqdm(total=count, desc=f"caching {what}", unit="img", disable=None if progress else True, mininterval=1.0, leave=False) as bar:
             for batch_images, batch_labels in loader:
                 if batch_images.dtype != torch.uint8 or tuple(batch_images.shape[1:]) != (3, image_size, image_size):
                     raise MimaError(f"data.cache: {what} gave {batch_images.dtype} images of shape "

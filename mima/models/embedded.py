@@ -162,7 +162,9 @@ def pretrain_tiny_digits(recipe: dict, progress: bool = True) -> tuple[torch.nn.
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=recipe["weight_decay"])
     model.train()
-    bar = tqdm(range(recipe["steps"]), desc="pretraining embedded tiny CLIP", disable=not progress, leave=False, mininterval=1.0)
+    # disable=None: a bar on a terminal only (off one, tqdm's redrawing leaves fragments in a log)
+    bar = tqdm(range(recipe["steps"]), desc="pretraining embedded tiny CLIP", disable=None if progress else True,
+               leave=False, mininterval=1.0)
     for _ in bar:
         batch = torch.randint(len(pixels), (recipe["batch_size"],), generator=generator)
         template = torch.randint(len(digits.TEMPLATES), (recipe["batch_size"],), generator=generator)
