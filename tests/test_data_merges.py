@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -197,6 +198,31 @@ def test_convert_refuses_other_callables_without_running_them(tmp_path, capsys):
     with pytest.raises(MimaError, match="not a torch zip checkpoint"):
         (tmp_path / "plain.pt").write_bytes(b"not a zip")
         convert_checkpoint(tmp_path / "plain.pt")
+
+
+class _MemberByGetattr:
+    """Pickles as `getattr(owner, name)`, the way Python 3.11.0-3.11.4 pickle an enum member."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return (getattr, (self.owner, self.name))
+
+
+def test_convert_reads_an_enum_member_pickled_by_getattr_and_refuses_other_getattrs(tmp_path, capsys):
+    from torchvision.transforms import InterpolationMode
+
+    weights = {"visual.proj": torch.randn(4, 3)}
+    torch.save({"state_dict": weights, "mode": _MemberByGetattr(InterpolationMode, "BICUBIC")}, tmp_path / "enum.pt")
+    converted = convert_checkpoint(tmp_path / "enum.pt", prefix="")
+    assert torch.equal(converted["visual.proj"], weights["visual.proj"])
+    # getattr on anything that is not a stand-in model class is refused before it runs
+    torch.save({"state_dict": weights, "call": _MemberByGetattr(collections.OrderedDict, "fromkeys")}, tmp_path / "bad.pt")
+    assert main(["convert", str(tmp_path / "bad.pt"), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "getattr(OrderedDict, 'fromkeys')" in err[0] and "bad.pt" in err[0]
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def _rewrite_archive(source, target, change) -> None:

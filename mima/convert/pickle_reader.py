@@ -13,6 +13,7 @@ between versions. This module reads the torch zip archive itself with a restrict
   * a storage is read only if its entry is stored uncompressed with the size its record declares,
     as torch.save writes it; a compressed data.pkl may inflate to at most 64 MiB (a zip bomb of a
     few hundred KB is refused before it is inflated, naming the entry);
+  * `getattr` only names a member of a stand-in class (how Python 3.11.0-3.11.4 pickle an enum);
   * any other global (os.system, builtins.eval, subprocess, ...) stops the conversion with an
     error naming it, before anything is called.
 
@@ -110,6 +111,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             ("torch", "Size"): torch.Size,
             ("torch", "device"): torch.device,
             ("copyreg", "_reconstructor"): _reconstructor,
+            ("builtins", "getattr"): self._stand_in_member,
         }
         if (module, name) in allowed:
             return allowed[(module, name)]
@@ -125,6 +127,20 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise MimaError(
             f"{self.source}: refused: the pickle references {module}.{name}, which is not a model class or a "
             "tensor; nothing from the file was run"
+        )
+
+    def _stand_in_member(self, owner, name):
+        """`getattr(owner, name)` as a pickle asks for it, allowed only for a member of a stand-in
+        class: Python 3.11.0 to 3.11.4 pickle an enum member (torchvision's InterpolationMode.BICUBIC
+        in open_clip's transforms) as `getattr(InterpolationMode, "BICUBIC")`. The member becomes an
+        empty stand-in instance; getattr on anything else is refused before it runs."""
+        if isinstance(owner, type) and issubclass(owner, StandIn) and isinstance(name, str):
+            member = owner.__new__(owner)
+            member.__dict__["_stand_in_member"] = name
+            return member
+        raise MimaError(
+            f"{self.source}: refused: the pickle asks for getattr({getattr(owner, '__name__', type(owner).__name__)}, "
+            f"{name!r}), which is not a member of a model class; nothing from the file was run"
         )
 
     def _rebuild_tensor(self, storage, storage_offset, size, stride, *flags):
