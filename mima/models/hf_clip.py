@@ -335,7 +335,10 @@ def parse_hf_config(config: Mapping, source: str) -> HFVisionConfig:
     (model_type 'clip_vision_model')."""
     model_type = config.get("model_type")
     if model_type == "clip":
-        vision = dict(config.get("vision_config") or {})
+        vision_config = config.get("vision_config") or {}
+        if not isinstance(vision_config, Mapping):
+            raise MimaError(f"{source}: vision_config is a JSON {type(vision_config).__name__}, expected an object of settings")
+        vision = dict(vision_config)
         vision["projection_dim"] = config.get("projection_dim", HF_VISION_DEFAULTS["projection_dim"])
     elif model_type == "clip_vision_model":
         vision = dict(config)
