@@ -295,6 +295,54 @@ def test_3_merge_never_replaces_an_input_even_with_overwrite(encoders, finished_
     assert_one_line(result.code, result.err, f"--output {output}: is the input")
 
 
+# os.replace calls of a merge with results: the three files written into the staging folder, the publish
+# journal, three files moved aside and three placed
+MERGE_RENAMES = 3 + 1 + 3 + 3
+
+
+def _set_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("rename", range(1, MERGE_RENAMES + 1))
+def test_3_merge_with_results_replaces_model_and_results_as_one_set(finished_run, tmp_path, capfd, monkeypatch, rename):
+    """`mima merge --overwrite` on a run folder: the merged model, OUTPUT.results.json and .md are one
+    set (issue 41, item 2). A rename that fails (EBUSY) at any of the six steps of placing it (three
+    files moved aside, three placed), or at any rename before it (the staged files, the journal), leaves
+    the earlier merge's three files as they were."""
+    import errno
+
+    output = tmp_path / "out" / "merged.safetensors"
+    first = cli(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", finished_run, "--output", output], capfd)
+    assert first.code == 0, first.err
+    earlier = _set_of(output.parent)
+    assert sorted(earlier) == ["merged.safetensors", "merged.safetensors.results.json", "merged.safetensors.results.md"]
+    real, count = os.replace, [0]
+
+    def replace(source, destination):
+        count[0] += 1
+        if count[0] == rename:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(destination))
+        return real(source, destination)
+    monkeypatch.setattr(os, "replace", replace)
+    failed = cli(["merge", "--method", "task_arithmetic", "--lam", "0.6", "--models", finished_run, "--output", output,
+                  "--overwrite"], capfd)
+    count[0], rename = 0, 0  # the same renames again, none failing: counted
+    assert failed.code != 0 and len(failed.err.strip().splitlines()) == 1, failed.err
+    named = failed.err.split("error: ", 1)[1].split(":", 1)[0]  # the one path the line names: the user's
+    assert Path(named) in (output.parent, output, *(output.with_name(output.name + f".results.{kind}") for kind in ("json", "md")))
+    assert sorted(p.name for p in output.parent.iterdir()) == sorted(earlier)  # no staging folder or journal left
+    assert _set_of(output.parent) == earlier
+    again = cli(["merge", "--method", "task_arithmetic", "--lam", "0.6", "--models", finished_run, "--output", output,
+                 "--overwrite"], capfd)
+    monkeypatch.undo()
+    assert again.code == 0, again.err
+    replaced = _set_of(output.parent)
+    assert set(replaced) == set(earlier) and all(replaced[name] != earlier[name] for name in earlier)
+    assert json.loads(replaced["merged.safetensors.results.json"])["hparams"]["lam"] == 0.6
+    assert count[0] == MERGE_RENAMES  # every rename of the publish was among those failed above
+
+
 def test_3_convert_never_replaces_its_source(converted, tmp_path, capfd):
     source = tmp_path / "model.pt"
     shutil.copy(converted["floor-valid"]["source"], source)

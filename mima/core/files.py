@@ -105,16 +105,19 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EA
 
 def write_error(exc: Exception, target: Path, temporary: Path) -> Exception:
     """The error to raise for `exc`, raised while `target` was written through `temporary` (a file, or
-    a staging folder standing for the folder `target`): a refused write becomes an OSError naming
-    `target` (or the file under it), which the user can act on; anything else is returned as it is.
+    a staging folder standing for the folder `target`): a refused write, or any error said of the
+    temporary path, becomes one naming `target` (or the file under it), which the user can act on;
+    anything else is returned as it is.
     Libraries that wrap the system's error in their own type (safetensors) are recognised by the
     system's message in theirs."""
+    if isinstance(exc, MimaError) and str(temporary) in str(exc):  # a file check's message, said of the user's path
+        return MimaError(str(exc).replace(str(temporary), str(target)))
     if isinstance(exc, OSError):
         code, message, name = exc.errno, exc.strerror, exc.filename
     else:
         code = next((code for code in STORAGE_ERRNOS if os.strerror(code) in str(exc)), None)
         message, name = (os.strerror(code) if code else None), None
-    if code not in STORAGE_ERRNOS:
+    if code not in STORAGE_ERRNOS and not (name is not None and Path(name).is_relative_to(temporary)):
         return exc
     if name is None or Path(name) == temporary:
         return OSError(code, message, str(target))
@@ -256,9 +259,16 @@ def replace_set(staging: Path, target: Path, names: list[Path]) -> list[Path]:
     failure or signal the old set is put back at once; after a SIGKILL, the next publish into `target`
     (`roll_back_interrupted_publishes`) puts it back. The journal goes once the whole set is placed."""
     journal = target / f"{PUBLISH_JOURNAL}{os.getpid()}"
-    (journal / "old").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(journal / "journal.json", {"staging": str(staging), "files": [str(name) for name in names]})
+    try:
+        (journal / "old").mkdir(parents=True, exist_ok=True)
+        write_json_atomic(journal / "journal.json", {"staging": str(staging), "files": [str(name) for name in names]})
+    except BaseException as exc:  # nothing was moved yet
+        shutil.rmtree(journal, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, exc.strerror, str(target)) from None
+        raise
     placed = []
+    name = names[0] if names else Path()
     try:
         for name in names:
             destination = target / name
@@ -268,6 +278,9 @@ def replace_set(staging: Path, target: Path, names: list[Path]) -> list[Path]:
                 os.replace(destination, journal / "old" / name)
             os.replace(staging / name, destination)
             placed.append(destination)
+    except OSError as exc:  # said of the user's file, not of the journal it was being moved into
+        roll_back(journal, target)
+        raise OSError(exc.errno, exc.strerror, str(target / name)) from None
     except BaseException:
         roll_back(journal, target)
         raise
@@ -316,7 +329,10 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     for leftover in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
         pid = leftover.name[len(target.name) + 2:].split(".", 1)[0]
         if pid.isdigit() and not _process_exists(int(pid)):
-            leftover.unlink(missing_ok=True)
+            if leftover.is_dir() and not leftover.is_symlink():  # a staged set (mima merge with its results)
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
             removed.append(leftover)
             sys.stderr.write(f"mima: removed {leftover}, left by an interrupted earlier write of {target.name}\n")
     return removed

@@ -20,7 +20,8 @@ the machine lacks is refused before any input is opened.
 An input tensor holding NaN or Inf is refused, naming the file and the tensor, and so is a merged
 tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
 strategies that decompose matrices still cannot, which is one line too). The output is never one of
-the inputs (under any name), a folder, or left half written.
+the inputs (under any name), a folder, or left half written; with results, the model and its results
+files are placed as one set (mima.core.files.publish_folder).
 
 `--format open-clip` writes a folder instead: the full CLIP (the run's text tower, the merged image
 tower) that open_clip.create_model_and_transforms("local-dir:DIR") loads, its model card, and the
@@ -30,13 +31,15 @@ merged encoder with its results (mima.commands.convert.open_clip_export).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mima.commands.merge.options import MergeOptions
 from mima.core.errors import MimaError
-from mima.core.files import refuse_input_as_output, refuse_overwrite, write_json_atomic, write_text_atomic
+from mima.core.files import (publish_folder, refuse_input_as_output, refuse_overwrite, remove_folders, stage_folder,
+                             write_error, write_json_atomic, write_text_atomic)
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
@@ -77,45 +80,73 @@ def run_merge(options: MergeOptions) -> None:
     model_paths, run_tasks, run_base = expand_models(options.models)
     base_path = options.base if options.base is not None else run_base
     refuse_input_as_output(options.output, [*model_paths, *([base_path] if base_path is not None else [])])
-    allow = options.allow_non_finite
-    with open_inputs(model_paths, base_path) as inputs:
-        # the method's own rules (theta_0, task count, --min-tasks, --matrix-keys), from the headers,
-        # before the task data is loaded; the merge below runs the same check again on its inputs
-        checked = method.check(inputs.models, inputs.base, allow, **given)
-        config = options.config or (options.models[0] if run_tasks is not None else None)
-        if (method.needs_data or options.select_on) and config is None:
-            raise MimaError(f"merge method '{method.name}' with these options needs --config (the tasks' model and data)")
-        pool = None
-        if config is not None:  # the model and data stack is only imported when a merge is judged on tasks
-            from mima.pools import task_pool
+    config = options.config or (options.models[0] if run_tasks is not None else None)
+    if (method.needs_data or options.select_on) and config is None:
+        raise MimaError(f"merge method '{method.name}' with these options needs --config (the tasks' model and data)")
+    if config is None:
+        if options.overwrite:  # an earlier merge's results would describe the model this one replaces
+            for stale in results_paths(options.output):
+                stale.unlink(missing_ok=True)
+        selection, pool = merge_into(options.output, options, method, model_paths, base_path, None, device), None
+        summary = []
+    else:
+        # the merged model and its results are one set: written into a staging folder beside the
+        # output, then placed together (an interrupted merge leaves the earlier set, never a new model
+        # beside the results of the one it replaced)
+        with open_inputs(model_paths, base_path) as inputs:  # the method's rules, from the headers, before the data loads
+            method.check(inputs.models, inputs.base, options.allow_non_finite, **options.hyperparameters)
+        from mima.pools import task_pool  # the model and data stack only when a merge is judged on tasks
 
-            pool = task_pool(config)
-        if pool is not None and len(inputs.models) != len(pool.tasks):
-            raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
-        metadata = {"method": method.name, "models": [str(p) for p in model_paths],
-                    "base": str(base_path) if method.needs_base else None}
-        if isinstance(method, DataFreeMerge) and not options.select_on:  # streams, tensor by tensor
-            merge_to_file(method, inputs, options.output, given, {**metadata, "hparams": printable(checked.values)},
-                          options.overwrite, allow_non_finite=allow, device=device)
-            selection = Selection(method.name, checked.values, None)
-        else:
-            # read through the checked views, so that a NaN or Inf is named by its file
-            models = [dict(view.items()) for view in checked.models]
-            base = dict(checked.base.items()) if checked.base is not None else None
-            # the method bound to the device, so that selection's merges and sweeps compute there too
-            selection = choose(method.on(device), models, base, pool, given, options.select_on, allow)
-            per_task = isinstance(method, PerTaskMerge)
-            order = list(selection.merged) if per_task else list((base or models[0]).keys())
-            meta = {**metadata, "hparams": printable(selection.hparams)}
-            if per_task:
-                meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
-            write_state_dict(options.output, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
-    summary = report_results(options.output, method, selection, pool, options.overwrite) if pool is not None else []
+        pool = task_pool(config)
+        staging, created = stage_folder(options.output)
+        staged = staging / options.output.name
+        try:
+            selection = merge_into(staged, options, method, model_paths, base_path, pool, device)
+            summary = report_results(staged, method, selection, pool, shown_as=options.output)
+            publish_folder(staging, options.output.parent, options.overwrite)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            remove_folders(created)
+            if isinstance(exc, Exception):
+                raise write_error(exc, options.output.parent, staging) from None
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     where = "" if device.type == "cpu" or method.needs_data else f" on {device}"
     print(f"mima merge: {method.name} ({', '.join(f'{k}={v}' for k, v in printable(selection.hparams).items()) or 'defaults'})"
           f"{where} -> {options.output}")
     for line in summary:
         print(f"mima merge: {line}")
+
+
+def merge_into(path: Path, options: MergeOptions, method: MergeMethod, model_paths: list[Path], base_path: Path | None,
+               pool: "TaskPool | None", device) -> Selection:
+    """Merge the inputs into the file `path` (the output, or its staged copy); the selection made."""
+    given, allow = options.hyperparameters, options.allow_non_finite
+    with open_inputs(model_paths, base_path) as inputs:
+        # the method's own rules (theta_0, task count, --min-tasks, --matrix-keys), from the headers,
+        # before any merge; the merge below runs the same check again on its inputs
+        checked = method.check(inputs.models, inputs.base, allow, **given)
+        if pool is not None and len(inputs.models) != len(pool.tasks):
+            raise MimaError(f"{len(inputs.models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
+        metadata = {"method": method.name, "models": [str(p) for p in model_paths],
+                    "base": str(base_path) if method.needs_base else None}
+        if isinstance(method, DataFreeMerge) and not options.select_on:  # streams, tensor by tensor
+            merge_to_file(method, inputs, path, given, {**metadata, "hparams": printable(checked.values)},
+                          options.overwrite, allow_non_finite=allow, device=device)
+            return Selection(method.name, checked.values, None)
+        # read through the checked views, so that a NaN or Inf is named by its file
+        models = [dict(view.items()) for view in checked.models]
+        base = dict(checked.base.items()) if checked.base is not None else None
+        # the method bound to the device, so that selection's merges and sweeps compute there too
+        selection = choose(method.on(device), models, base, pool, given, options.select_on, allow)
+        per_task = isinstance(method, PerTaskMerge)
+        order = list(selection.merged) if per_task else list((base or models[0]).keys())
+        meta = {**metadata, "hparams": printable(selection.hparams)}
+        if per_task:
+            meta.update(kind="per_task", tasks=pool.tasks if pool else len(models))
+        write_state_dict(path, selection.merged, order, meta, options.overwrite, allow_non_finite=allow)
+        return selection
 
 
 def choose(method: MergeMethod, models, base, pool: "TaskPool | None", given: Mapping[str, object], select_on: str | None,
@@ -162,9 +193,10 @@ def printable(hparams: dict) -> dict:
 
 
 def report_results(output: Path, method: MergeMethod, selection: Selection, pool: "TaskPool",
-                   overwrite: bool = True) -> list[str]:
+                   overwrite: bool = True, shown_as: Path | None = None) -> list[str]:
     """Each task's test accuracy (per-task methods: of that task's own model), written beside the output;
-    returns the lines that tell the user what it found and where it wrote it."""
+    returns the lines that tell the user what it found and where it wrote it (`shown_as`: the path
+    the output will have, when `output` is its staged copy)."""
     test = pool.evaluator("test")
     if isinstance(method, PerTaskMerge):
         accuracy = {task: test.accuracy(method.reconstruct(selection.merged, t), [task])[task] for t, task in enumerate(pool.tasks)}
@@ -188,4 +220,5 @@ def report_results(output: Path, method: MergeMethod, selection: Selection, pool
     write_text_atomic(md_path, "\n".join(lines) + "\n", overwrite=overwrite)
     chosen = "" if selection.score is None else f"; validation {100 * selection.score:.1f} (the best of {len(selection.trials)} grid points)"
     tasks = ", ".join(f"{task} {100 * value:.1f}" for task, value in accuracy.items())
-    return [f"test accuracy (%): {tasks}; mean {100 * mean:.1f}{chosen}", f"wrote {json_path} and {md_path}"]
+    shown_json, shown_md = results_paths(shown_as or output)
+    return [f"test accuracy (%): {tasks}; mean {100 * mean:.1f}{chosen}", f"wrote {shown_json} and {shown_md}"]
