@@ -45,13 +45,13 @@ def test_the_sync_callback_keeps_the_logged_loss_in_the_phase_state_not_on_the_m
     sync = MimaSyncCallback(phases)
     logger = RecordingLogger()
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=1, loggers=[logger])
-    module = SimpleNamespace(plan=_plan())
+    module = SimpleNamespace(plan=_plan(), learning_rate=lambda step: 1e-3 * (step + 1))
     # one optimiser step of two micro-batches: the step's loss is their sum (each is already divided)
     for micro_batch, loss in enumerate((0.5, 0.25)):
         sync.on_train_batch_start(trainer, module, None, micro_batch)
         trainer.global_step = micro_batch  # Lightning counts the step once the optimiser has stepped
         sync.on_train_batch_end(trainer, module, {"loss": torch.tensor(loss)}, None, micro_batch)
-    assert logger.rows == [({"train/loss/a": 0.75}, 0)]
+    assert logger.rows == [({"train/loss/a": 0.75, "train/lr/a": 1e-3}, 0)]  # the step's learning rate beside it
     assert phases.shown_loss == 0.75
     assert not hasattr(module, "shown_loss")
     bar = MimaProgressBar(phases)

@@ -85,6 +85,12 @@ class RunFolder:
         return self.path / "data_listing.json"
 
     @property
+    def tracker_file(self) -> Path:
+        """The experiment-tracker runs this mima run logs to (mima.training.trackers), so that a resume
+        continues them."""
+        return self.path / "tracker.json"
+
+    @property
     def lock_file(self) -> Path:
         """The one-job-per-folder lock (mima.core.run_lock.RunLock(run.path, command) takes it)."""
         return self.path / LOCK_NAME
@@ -239,6 +245,13 @@ class RunFolder:
     def data_listing(self) -> dict | None:
         """The recorded listing fingerprints (None: the run reads no folders, or predates the record)."""
         return read_json(self.data_listing_file) if self.data_listing_file.is_file() else None
+
+    def write_tracker_record(self, record: Mapping[str, Mapping]) -> None:
+        write_json_atomic(self.tracker_file, dict(record))
+
+    def tracker_record(self) -> dict:
+        """tracker name -> {"run_id": ..., "logged_through": {metric: last step sent}} ({}: none yet)."""
+        return read_json(self.tracker_file) if self.tracker_file.is_file() else {}
 
     def append_config_changes(self, changes: dict) -> None:
         """Record a resume's accepted config changes (key -> [old, new]) before config.yaml takes them."""

@@ -204,6 +204,12 @@ class MimaModule(L.LightningModule):
             losses.append(task_loss)
         return torch.stack(losses).mean()
 
+    def learning_rate(self, process_step: int) -> float:
+        """The learning rate the scheduler sets at this process step (a pure function of the plan)."""
+        hp = self.hparams
+        return hp.lr * lr_factor(self.plan, process_step, hp.lr_schedule, hp.schedule_scope, hp.warmup_steps,
+                                 hp.segment_warmup_steps)
+
     def configure_optimizers(self):
         params = [p for p in self.encoder.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(

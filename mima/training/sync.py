@@ -279,14 +279,16 @@ class MimaSyncCallback(Callback):
         trainer.should_stop = True
 
     def _log_step_losses(self, trainer, pl_module) -> None:
-        """Each step's loss under train/loss/<task>, written by every process (RankCSVLogger) for its
-        own tasks, one row per step; read from the device here, at logging intervals and segment ends."""
+        """Each step's loss under train/loss/<task> and learning rate under train/lr/<task>, written by
+        every process (RankCSVLogger) for its own tasks, one row per step; read from the device here, at
+        logging intervals and segment ends."""
         plan = pl_module.plan
         rows = self.phases.take_unlogged()
         for row in rows:
             task = plan.tasks[plan.position(row.step).task_index]
             for logger in trainer.loggers:
-                logger.log_metrics({f"train/loss/{task}": row.value}, step=row.step)
+                logger.log_metrics({f"train/loss/{task}": row.value, f"train/lr/{task}": pl_module.learning_rate(row.step)},
+                                   step=row.step)
         if rows:
             self.phases.shown_loss = rows[-1].value
 

@@ -31,6 +31,7 @@ class EvaluateOptions:
     skip_unfinished: bool
     merge_device: str | None  # None: auto
     num_workers: int | None  # None: the run's data.num_workers
+    log_to_tracker: bool  # also send each run's rows to the tracker runs its fit logged to
 
     def __post_init__(self) -> None:
         """The checks argparse cannot make, each made here once (what needs torch, e.g. whether this
@@ -70,6 +71,9 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
     parser.add_argument("--num-workers", type=int, default=None, metavar="N",
                         help="loader worker processes per evaluation process, one set for every task and split "
                         "(default: the run's data.num_workers; 0 loads in the process itself)")
+    parser.add_argument("--log-to-tracker", action="store_true",
+                        help="also log each run's rows (evaluate/<model>/<task> accuracies) to the experiment-tracker "
+                        "runs its `mima fit` logged to (trainer.logger: W&B, MLflow; recorded in RUN/tracker.json)")
     parsed = parser.parse_args(argv)
     try:
         return frozen_options(EvaluateOptions, parsed)
@@ -87,4 +91,4 @@ def main(argv: Sequence[str]) -> None:
         evaluate_runs(list(options.runs), options.out, list(options.merges), not options.no_select, options.overwrite,
                       precision=options.precision, val_examples=options.val_examples, team=team,
                       skip_unfinished=options.skip_unfinished, num_workers=options.num_workers,
-                      merge_device=options.merge_device)
+                      merge_device=options.merge_device, log_to_tracker=options.log_to_tracker)

@@ -63,6 +63,7 @@ def evaluate_runs(
     skip_unfinished: bool = False,
     num_workers: int | None = None,
     merge_device: str | None = None,
+    log_to_tracker: bool = False,
 ) -> list[ModelResult] | None:
     """Evaluate finished runs of the same tasks and model into `out_dir` (results.json/.csv/.md,
     selection.json, plots; the cells in cells/). Returns the results in process 0, None elsewhere.
@@ -72,7 +73,8 @@ def evaluate_runs(
     deviation over the seeds (format: mima.evaluation.results_files). `val_examples` (positive, as
     EvaluateOptions checks it): validation examples per task. `num_workers` loader workers per
     process (None: the first run's data.num_workers). `merge_device` (`--merge-device`): where the
-    merges' arithmetic runs (None or "auto": each process's evaluation device)."""
+    merges' arithmetic runs (None or "auto": each process's evaluation device). `log_to_tracker`: each
+    run's rows also go to the tracker runs its fit logged to (mima.training.trackers)."""
     started = started or time.time()
     team = team or Team(session=new_session())
     device = claim_device(team.local_rank)  # first: nothing below may open a CUDA context on another GPU
@@ -85,7 +87,22 @@ def evaluate_runs(
     settings = EvalSettings(precision=evaluation.precision, num_workers=workers, pin_memory=device.type == "cuda")
     # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
     with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
-        return _evaluate(evaluation, Path(out_dir), overwrite, title, extra, started, team, device, settings, merges_on)
+        results = _evaluate(evaluation, Path(out_dir), overwrite, title, extra, started, team, device, settings, merges_on)
+    if results is not None and log_to_tracker:
+        log_rows_to_trackers(evaluation, results, title)
+    return results
+
+
+def log_rows_to_trackers(evaluation: Evaluation, results: list[ModelResult], title: str) -> None:
+    """Each run's own rows (its N and seed) as evaluate/<model>/<task> and evaluate/<model>/mean, to
+    the tracker runs its fit recorded; a tracker that fails is one warning line."""
+    from mima.training.trackers import log_to_run_trackers
+
+    for run, config in zip(evaluation.runs, evaluation.configs):
+        rows = [r for r in results if r.N == int(config.model.iterations) and r.seed == config.seed]
+        metrics = {f"evaluate/{r.model}/{task}": value for r in rows for task, value in {**r.accuracy, "mean": r.mean}.items()}
+        for line in log_to_run_trackers(run.path, (config.other.get("trainer") or {}).get("logger"), metrics, title):
+            print(line)
 
 
 def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str, extra: dict | None, started: float,

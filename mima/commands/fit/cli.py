@@ -55,6 +55,7 @@ from mima.training.plan_choices import choose_checkpoint_every
 from mima.training.preemption import StopAgreement
 from mima.training.progress import MimaLogLines
 from mima.training.rank_logger import rank_loggers
+from mima.training.trackers import TrackerForwarding, TrackerRelay, build_trackers, tracker_entries
 from mima.training.resource_plan import trains_on_gpu
 from mima.training.resume import ResumeCut, RunStart, resolve_resume, run_identity
 from mima.training.sync import MimaSyncCallback
@@ -182,8 +183,10 @@ class MimaCLI(LightningCLI):
         self.run_start = RunStart()
         kwargs["strategy"] = build_strategy(self.config_init["trainer"].get("strategy"), self.num_tasks(), self.task_work(),
                                        config["collective_timeout"], stop, self.run_start)
-        if trainer_config.get("logger") in (None, True):
-            kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(global_rank()))
+        logger_setting = trainer_config.get("logger")
+        trackers, relay = self.trackers(logger_setting), TrackerRelay()
+        if logger_setting in (None, True) or trackers:  # the per-process files always; trackers through the relay
+            kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(global_rank())) + ([relay] if trackers else [])
         # One PhaseState per process, owned here: the sync callback changes it, the checkpoints store it.
         phases = PhaseState()
         self.checkpoint: MimaCheckpoint | None = None
@@ -201,8 +204,23 @@ class MimaCLI(LightningCLI):
         # after the sync callback, so that a segment's line shows the loss it has just read
         log_lines = [MimaLogLines(None if self.model.hparams.mode == JOINT else phases)] if wants_log_lines(
             trainer_config, user_callbacks) else []
-        kwargs["callbacks"] = user_callbacks + mima_callbacks + log_lines + ([self.checkpoint] if self.checkpoint else [])
+        # after the sync callback: it sends a phase's rows once the sync has taken place
+        forwarding = [TrackerForwarding(trackers, relay, None if self.model.hparams.mode == JOINT else phases, self.run_dir,
+                                        self.config.as_dict())] if trackers else []
+        kwargs["callbacks"] = (user_callbacks + mima_callbacks + forwarding + log_lines
+                               + ([self.checkpoint] if self.checkpoint else []))
         return super().instantiate_trainer(**kwargs)
+
+    def trackers(self, logger_setting: Any) -> list:
+        """The experiment trackers `trainer.logger` names (mima.training.trackers), built to continue
+        the tracker runs of the run being resumed."""
+        if isinstance(logger_setting, list):
+            logger_setting = [entry.as_dict() if isinstance(entry, Namespace) else entry for entry in logger_setting]
+        elif isinstance(logger_setting, Namespace):
+            logger_setting = logger_setting.as_dict()
+        entries = tracker_entries(logger_setting)
+        record = RunFolder(self.run_dir).tracker_record() if entries and self.config.get("ckpt_path") is not None else {}
+        return build_trackers(entries, self.run_dir, record)
 
     def check_data_listing(self) -> list[str]:
         """Compare the listings of the tasks read from folders with those the run recorded when it

@@ -26,6 +26,7 @@ class MergeOptions:
     allow_non_finite: bool = False
     device: str = "auto"  # as --device spells it (auto, cpu, cuda, cuda:N)
     format: str = "safetensors"  # --format: "safetensors" (the image encoder) or "open-clip" (a full CLIP folder)
+    log_to_tracker: bool = False  # the results also go to the tracker runs of the run folder's fit
     # the hyperparameter flags given, {name: value} as the strategy takes them (unchecked against the method)
     hyperparameters: dict[str, object] = field(default_factory=dict)
 
@@ -37,7 +38,7 @@ class MergeOptions:
         return cls(method=namespace.method, models=tuple(namespace.models), output=namespace.output, base=namespace.base,
                    config=namespace.config, select_on=namespace.select_on, overwrite=namespace.overwrite,
                    allow_non_finite=namespace.allow_non_finite, device=namespace.device, format=namespace.format,
-                   hyperparameters=given)
+                   log_to_tracker=namespace.log_to_tracker, hyperparameters=given)
 
 
 
@@ -65,6 +66,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-non-finite", action="store_true",
                         help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
                         "error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge --lam)")
+    parser.add_argument("--log-to-tracker", action="store_true",
+                        help="also log the results (merge/<method>/<task> test accuracies) to the experiment-tracker runs "
+                        "the run folder's `mima fit` logged to (needs --models RUN_FOLDER)")
     parser.add_argument("--device", type=device_spelling, default="auto", metavar="auto|cpu|cuda|cuda:N",
                         help="where the merge's arithmetic runs, one tensor group at a time (default auto: the first GPU "
                         "when torch sees one, else the CPU); --device cpu gives the CPU's file bit for bit")

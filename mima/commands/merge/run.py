@@ -81,6 +81,8 @@ def run_merge(options: MergeOptions) -> None:
     base_path = options.base if options.base is not None else run_base
     refuse_input_as_output(options.output, [*model_paths, *([base_path] if base_path is not None else [])])
     config = options.config or (options.models[0] if run_tasks is not None else None)
+    if options.log_to_tracker and run_tasks is None:
+        raise MimaError("--log-to-tracker: needs --models RUN_FOLDER (the run whose tracker runs take the results)")
     if (method.needs_data or options.select_on) and config is None:
         raise MimaError(f"merge method '{method.name}' with these options needs --config (the tasks' model and data)")
     if config is None:
@@ -117,6 +119,21 @@ def run_merge(options: MergeOptions) -> None:
           f"{where} -> {options.output}")
     for line in summary:
         print(f"mima merge: {line}")
+    if options.log_to_tracker and pool is not None:
+        log_results_to_trackers(options.models[0], method.name, results_paths(options.output)[0])
+
+
+def log_results_to_trackers(run_dir: Path, method: str, results_file: Path) -> None:
+    """The merge's test accuracies as merge/<method>/<task> (and .../mean) to the run's tracker runs."""
+    from mima.config.run_config import load_run_config
+    from mima.core.files import read_json
+    from mima.training.trackers import log_to_run_trackers
+
+    accuracy = read_json(results_file)["test_accuracy"]
+    logger_setting = (load_run_config(run_dir).other.get("trainer") or {}).get("logger")
+    metrics = {f"merge/{method}/{task}": float(value) for task, value in accuracy.items()}
+    for line in log_to_run_trackers(run_dir, logger_setting, metrics, "mima merge"):
+        print(line)
 
 
 def merge_into(path: Path, options: MergeOptions, method: MergeMethod, model_paths: list[Path], base_path: Path | None,
