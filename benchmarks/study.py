@@ -4,7 +4,7 @@ theta_0, over N, T, per-task budgets and seeds, each run with its measured cost 
 One command, resumable (docs/results.md, "The study (issue 38): plan"):
 
     python benchmarks/study.py --out runs/study                   # the full grid
-    python benchmarks/study.py --grid reduced --out runs/study    # ~3 hours on 2 cores
+    python benchmarks/study.py --grid reduced --out runs/study    # ~7 hours on 2 cores
     python benchmarks/study.py --dry-run                          # list the runs, train nothing
 
 The grid is a list of cells (T, budget mode, phase-end operator); each cell is one sweep
@@ -122,11 +122,13 @@ def full_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
 
 
 def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
-    """What fits in about 3 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal
-    budgets, N in 1 8, the five operators, every final merge, the joint model: 22 fits at 3 seeds."""
+    """What fits in about 7 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal
+    budgets, N in 1 8, the five operators, every final merge, the joint model (22 fits at 3 seeds, about
+    3 hours); then MIMA at T = 8 and 12, N in 1 8, two final merges, the joint model (14 fits)."""
     iterations = (1, 8)
-    cells = tuple(Cell(4, "equal", operator, iterations, ALL_MERGES, joint=operator == "uniform") for operator in OPERATORS)
-    return Grid("reduced", tuple(seeds), cells, notes=("N = 2 and 4, proportional budgets, T = 8 and 12 left out",))
+    cells = [Cell(4, "equal", operator, iterations, ALL_MERGES, joint=operator == "uniform") for operator in OPERATORS]
+    cells += [Cell(t, "equal", "uniform", iterations, FEW_MERGES, joint=True) for t in (8, 12)]
+    return Grid("reduced", tuple(seeds), tuple(cells), notes=("N = 2 and 4 and proportional budgets left out",))
 
 
 GRIDS = {"full": full_grid, "reduced": reduced_grid}
