@@ -91,6 +91,12 @@ class RunFolder:
         return self.path / "tracker.json"
 
     @property
+    def tracker_outbox_file(self) -> Path:
+        """The rows sent to trackers that keep them in memory until their run finishes (W&B), kept
+        until it has: a killed attempt's rows are sent again by its resume (mima.training.trackers)."""
+        return self.path / "tracker_outbox.jsonl"
+
+    @property
     def lock_file(self) -> Path:
         """The one-job-per-folder lock (mima.core.run_lock.RunLock(run.path, command) takes it)."""
         return self.path / LOCK_NAME

@@ -79,10 +79,7 @@ class RankCSVLogger(RankLogger):
         self.save()
 
     def _read(self) -> list[dict[str, str]]:
-        if not self.file.is_file():
-            return []
-        with self.file.open(newline="") as handle:
-            return [{key: value for key, value in row.items() if value not in ("", None)} for row in csv.DictReader(handle)]
+        return read_metrics_csv(self.file)
 
     def _write_all(self, columns: list[str], rows: list[dict]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -92,6 +89,14 @@ class RankCSVLogger(RankLogger):
             writer.writeheader()
             writer.writerows(rows)
         os.replace(temporary, self.file)
+
+
+def read_metrics_csv(file: Path) -> list[dict[str, str]]:
+    """The rows of a process's metrics.csv, each without its empty cells ([] when there is none)."""
+    if not file.is_file():
+        return []
+    with file.open(newline="") as handle:
+        return [{key: value for key, value in row.items() if value not in ("", None)} for row in csv.DictReader(handle)]
 
 
 class RankTensorBoardLogger(RankLogger):

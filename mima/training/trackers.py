@@ -18,6 +18,9 @@ the task losses. Here:
     (RunFolder.tracker_file): a resumed run continues the same tracker run (W&B: the same id with
     resume "allow"; MLflow: the same run_id) and sends no step twice (a resume repeats the steps after
     its checkpoint bit for bit, so a step already sent holds the value it would send again);
+  * W&B's service keeps the rows it is sent in memory until the run finishes, so a SIGKILL of the job
+    loses them: rows sent to it are also kept in an outbox in the run folder until its run has been
+    finished, and a resume sends again those of a killed attempt;
   * a tracker that fails (no network, a bad key, a full disk) costs one warning line and is dropped
     for the rest of the run; training, the checkpoints and the CSV logs go on untouched.
 """
@@ -25,6 +28,8 @@ the task losses. Here:
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,10 +41,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from typing_extensions import override
 
+from mima.core.files import read_text_bounded
 from mima.core.run_folder import RunFolder
 from mima.training.averaging import distributed_world
 from mima.training.phase_state import PhaseState
+from mima.training.rank_logger import METRICS_FILE, read_metrics_csv
 
+MAX_OUTBOX_BYTES = 1 << 30  # a run's rows since its trackers last finished (tens of MB for a long run)
 PER_PROCESS_PREFIX = "sync/"  # metrics each process logs of itself: sent under the process's rank
 Row = tuple[int, int, dict[str, float]]  # (step, rank, metrics)
 
@@ -68,6 +76,10 @@ class TrackerRelay(Logger):
     @override
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass  # the trackers get the run's config from TrackerForwarding, once
+
+    def put_back(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Rows logged before the ones kept now (an earlier attempt's, read back on resume)."""
+        self.rows[:0] = rows
 
     def take(self) -> list[tuple[int, dict[str, float]]]:
         rows, self.rows = self.rows, []
@@ -149,6 +161,29 @@ def log_to_run_trackers(run_dir: Path, logger_setting: Any, metrics: Mapping[str
     return lines
 
 
+def append_outbox(path: Path, merged: Mapping[int, Mapping[str, float]]) -> None:
+    """Add rows (one JSON line per step) to the outbox, in one write."""
+    text = "".join(json.dumps({"step": step, "metrics": dict(metrics)}) + "\n" for step, metrics in merged.items())
+    with path.open("a") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_outbox(path: Path) -> list[tuple[int, dict[str, float]]]:
+    """The outbox's rows; a last line cut short by a kill mid-write is left out (its rows were not sent)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in read_text_bounded(path, "JSON lines", limit=MAX_OUTBOX_BYTES).splitlines():
+        try:
+            record = json.loads(line)
+            rows.append((int(record["step"]), {str(k): float(v) for k, v in dict(record["metrics"]).items()}))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return rows
+
+
 def merge_rows(gathered: Sequence[Sequence[Row]]) -> dict[int, dict[str, float]]:
     """step -> metrics, from every process's rows: per-process metrics under their rank, the same
     metric of the same step from several processes (a task's replicas, the phase diagnostics)
@@ -164,6 +199,12 @@ def merge_rows(gathered: Sequence[Sequence[Row]]) -> dict[int, dict[str, float]]
         merged[step] = {key: seen[0] if all(v == seen[0] for v in seen) else sum(seen) / len(seen)
                         for key, seen in sorted(values[step].items())}
     return merged
+
+
+# Trackers whose client keeps the rows in memory until the run finishes (W&B's service): what they were
+# sent counts as theirs ("confirmed") only once their run has been finished. MLflow's client writes as
+# it is called, so what it was sent is confirmed at once.
+BUFFERED_TRACKERS = frozenset({"WandbLogger"})
 
 
 class TrackerForwarding(Callback):
@@ -189,6 +230,20 @@ class TrackerForwarding(Callback):
             self._guarded(tracker, "start its run", lambda: self._start(tracker))
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A resumed process hands on the rows its earlier attempt logged before this attempt's first
+        step (from its metrics.csv): those logged after that attempt's last sync never reached rank 0.
+        Rank 0 leaves out the steps it has sent already."""
+        if trainer.global_step > 0:
+            file = self.run.rank_logs_dir(trainer.global_rank) / METRICS_FILE
+            earlier = []
+            for row in read_metrics_csv(file):
+                step = int(float(row.pop("step", -1)))
+                if 0 <= step < trainer.global_step:
+                    earlier.append((step, {key: float(value) for key, value in row.items() if key != "epoch"}))
+            self.relay.put_back(earlier)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.phases is not None and self.phases.avg_phase > self.forwarded_phase:
             self.forwarded_phase = self.phases.avg_phase
@@ -197,16 +252,39 @@ class TrackerForwarding(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forward(trainer)
-        if trainer.global_rank == 0 and not trainer.should_stop:  # a stopped run's tracker run stays open for its resume
-            for tracker in list(self.trackers):
-                self._guarded(tracker, "finish its run", lambda: tracker.finalize("success"))
+        if trainer.global_rank != 0:
+            return
+        finished = not trainer.should_stop  # a stopped run's tracker run is continued by its resume
+        for tracker in list(self.trackers):
+            self._guarded(tracker, "finish its run", lambda: self._finish(tracker, finished))
+        entries = [self.record.get(tracker_key(t), {}) for t in self.trackers]
+        if all(entry.get("confirmed_through") == entry.get("logged_through") for entry in entries):
+            self.run.tracker_outbox_file.unlink(missing_ok=True)  # every tracker holds every row
 
     def _start(self, tracker: Logger) -> None:
         entry = self.record.setdefault(tracker_key(tracker), {})
         if "run_id" not in entry:  # a new tracker run (MLflow refuses a parameter logged again with a new value)
             tracker.log_hyperparams(self.hyperparameters)
+        else:  # a resume: what an earlier attempt sent but the tracker may not have kept goes again
+            confirmed = entry.get("confirmed_through", {})
+            for step, metrics in read_outbox(self.run.tracker_outbox_file):
+                again = {key: value for key, value in metrics.items() if step > confirmed.get(key, -1)}
+                if again:
+                    tracker.log_metrics(again, step=step)
         entry["run_id"] = str(tracker.version)
         entry.setdefault("logged_through", {})
+        entry.setdefault("confirmed_through", {})
+        self.run.write_tracker_record(self.record)
+
+    def _finish(self, tracker: Logger, finished: bool) -> None:
+        if finished:
+            tracker.finalize("success")
+        if tracker_key(tracker) in BUFFERED_TRACKERS:
+            finish = getattr(tracker.experiment, "finish", None)  # W&B: its service writes the rows it holds
+            if callable(finish):
+                finish()
+        entry = self.record[tracker_key(tracker)]
+        entry["confirmed_through"] = dict(entry["logged_through"])
         self.run.write_tracker_record(self.record)
 
     def _forward(self, trainer: pl.Trainer) -> None:
@@ -221,17 +299,22 @@ class TrackerForwarding(Callback):
         if trainer.global_rank != 0 or not self.trackers:
             return
         merged = merge_rows(gathered)
+        if any(tracker_key(t) in BUFFERED_TRACKERS for t in self.trackers) and merged:
+            append_outbox(self.run.tracker_outbox_file, merged)  # before any is sent: a kill cannot lose them
         for tracker in list(self.trackers):
             self._guarded(tracker, "take the metrics", lambda: self._send(tracker, merged))
 
     def _send(self, tracker: Logger, merged: Mapping[int, Mapping[str, float]]) -> None:
-        sent = self.record.setdefault(tracker_key(tracker), {}).setdefault("logged_through", {})
+        entry = self.record.setdefault(tracker_key(tracker), {})
+        sent = entry.setdefault("logged_through", {})
         for step, metrics in merged.items():
             new = {key: value for key, value in metrics.items() if step > sent.get(key, -1)}
             if new:
                 tracker.log_metrics(new, step=step)
                 sent.update(dict.fromkeys(new, step))
         tracker.save()
+        if tracker_key(tracker) not in BUFFERED_TRACKERS:
+            entry["confirmed_through"] = dict(sent)
         self.run.write_tracker_record(self.record)
 
     def _guarded(self, tracker: Logger, doing: str, action) -> None:
