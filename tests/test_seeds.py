@@ -150,3 +150,21 @@ def test_offline_suite_refuses_repeated_seeds_in_one_line(tmp_path, capsys):
     assert suite.main(["--seeds", "1", "1", "--out", str(tmp_path / "x"), "--merges", "uniform", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == "offline_suite: error: --seeds: seed 1 is given more than once (one run per N and seed)"
     assert not (tmp_path / "x").exists()
+
+
+def test_demo_passes_its_seeds_to_the_sweep(tmp_path, monkeypatch, capsys):
+    """`mima demo --seeds`: one run per N and seed through the same sweep; repeated seeds are one line."""
+    from mima.cli import main
+    from mima.commands.demo import run as demo_run
+
+    calls = []
+    monkeypatch.setattr(demo_run, "run_sweep", lambda config, out, **options: calls.append((out, options)) or [])
+    assert main(["demo", "--seeds", "0", "1", "2", "--iterations", "1", "8", "--out", str(tmp_path / "d"), "--no-progress"]) in (0, None)
+    (out, options), = calls
+    assert options["seeds"] == [0, 1, 2] and options["iterations"] == [1, 8] and out == tmp_path / "d"
+    calls.clear()
+    assert main(["demo", "--out", str(tmp_path / "e"), "--no-progress"]) in (0, None)
+    assert calls[0][1]["seeds"] is None  # no --seeds: one run per N, as before
+    assert main(["demo", "--seeds", "1", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "--seeds: seed 1 is given more than once" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -24,6 +24,7 @@ class DemoOptions:
     no_joint: bool
     overwrite: bool
     no_progress: bool
+    seeds: tuple[int, ...] | None  # None: one run per N at configs/demo.yaml's seed
 
 
 def parse(argv: Sequence[str]) -> DemoOptions:
@@ -42,6 +43,9 @@ def parse(argv: Sequence[str]) -> DemoOptions:
                         help="skip the joint multi-task baseline (one model trained on all tasks, same S)")
     parser.add_argument("--overwrite", action="store_true", help="replace results and runs already in --out (without it, runs already there resume, finished ones are kept)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                        help="one run per N and seed (seed_everything and data.seed; runs/N<n>-seed<s>), the table with "
+                        "mean and std over the seeds (default: one run per N at configs/demo.yaml's seed)")
     return frozen_options(DemoOptions, parser.parse_args(argv))
 
 
@@ -49,6 +53,9 @@ def main(argv: Sequence[str]) -> None:
     options = parse(argv)
     from mima.core.plan import check_budget
     from mima.commands.demo.run import demo_config, run_demo
+    from mima.commands.sweep import check_seeds
+
+    check_seeds(options.seeds)
 
     steps = options.steps if options.steps is not None else int(demo_config()["model"]["steps"])
     for n in options.iterations:
@@ -63,4 +70,5 @@ def main(argv: Sequence[str]) -> None:
         progress=not options.no_progress,
         merges=list(options.merges),
         joint=not options.no_joint,
+        seeds=None if options.seeds is None else list(options.seeds),
     )

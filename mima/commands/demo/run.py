@@ -48,8 +48,10 @@ def run_demo(
     progress: bool = True,
     merges: Sequence[str] = COMPARED_MERGES,
     joint: bool = True,
+    seeds: Sequence[int] | None = None,
 ) -> list[ModelResult]:
-    """The demo sweep (`mima.commands.sweep.run_sweep` on configs/demo.yaml)."""
+    """The demo sweep (`mima.commands.sweep.run_sweep` on configs/demo.yaml); `seeds`: one run per N
+    and seed."""
     config = demo_config(steps, lr_schedule)
     results = run_sweep(
         config,
@@ -62,6 +64,7 @@ def run_demo(
         title="mima demo: MIMA on the embedded digits tasks",
         extra={"lr_schedule": config["model"]["lr_schedule"]},
         joint=joint,
+        seeds=seeds,
     )
     print(f"One page with every table and plot: mima report {out_dir}; why the merges work: mima analyze --help")
     return results
