@@ -14,6 +14,7 @@ import functools
 import hashlib
 import io
 import json
+import errno
 import os
 import resource
 import selectors
@@ -276,6 +277,20 @@ def logged_losses(file: Path) -> list[tuple[int, str, float]]:
     with file.open() as handle:
         return [(int(row["step"]), key[len("train/loss/"):], float(value)) for row in csv.DictReader(handle)
                 for key, value in row.items() if key.startswith("train/loss/") and value]
+
+
+class FailingReplace:
+    """os.replace that fails (EBUSY, as a busy mount point's rename) at its `fail_at`-th use (0: never),
+    counting every use in `calls`."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.calls, self.real = fail_at, 0, os.replace
+
+    def __call__(self, source, destination) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(destination))
+        self.real(source, destination)
 
 
 # ================================================== the command line in this process: outcome, unchanged files

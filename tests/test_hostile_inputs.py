@@ -37,7 +37,7 @@ import yaml
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from tests.conftest import fit_config, merge_argv, poisoned
-from tests.helpers import (STRIPES, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan, damaged_task,
+from tests.helpers import (STRIPES, FailingReplace, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan, damaged_task,
                            first_half, fit_argv, garbage_png, temporaries, tree, unchanged)
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -310,24 +310,16 @@ def test_3_merge_with_results_replaces_model_and_results_as_one_set(finished_run
     set (issue 41, item 2). A rename that fails (EBUSY) at any of the six steps of placing it (three
     files moved aside, three placed), or at any rename before it (the staged files, the journal), leaves
     the earlier merge's three files as they were."""
-    import errno
-
     output = tmp_path / "out" / "merged.safetensors"
     first = cli(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", finished_run, "--output", output], capfd)
     assert first.code == 0, first.err
     earlier = _set_of(output.parent)
     assert sorted(earlier) == ["merged.safetensors", "merged.safetensors.results.json", "merged.safetensors.results.md"]
-    real, count = os.replace, [0]
-
-    def replace(source, destination):
-        count[0] += 1
-        if count[0] == rename:
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(destination))
-        return real(source, destination)
+    replace = FailingReplace(rename)
     monkeypatch.setattr(os, "replace", replace)
     failed = cli(["merge", "--method", "task_arithmetic", "--lam", "0.6", "--models", finished_run, "--output", output,
                   "--overwrite"], capfd)
-    count[0], rename = 0, 0  # the same renames again, none failing: counted
+    replace.calls, replace.fail_at = 0, 0  # the same renames again, none failing: counted
     assert failed.code != 0 and len(failed.err.strip().splitlines()) == 1, failed.err
     named = failed.err.split("error: ", 1)[1].split(":", 1)[0]  # the one path the line names: the user's
     assert Path(named) in (output.parent, output, *(output.with_name(output.name + f".results.{kind}") for kind in ("json", "md")))
@@ -340,7 +332,7 @@ def test_3_merge_with_results_replaces_model_and_results_as_one_set(finished_run
     replaced = _set_of(output.parent)
     assert set(replaced) == set(earlier) and all(replaced[name] != earlier[name] for name in earlier)
     assert json.loads(replaced["merged.safetensors.results.json"])["hparams"]["lam"] == 0.6
-    assert count[0] == MERGE_RENAMES  # every rename of the publish was among those failed above
+    assert replace.calls == MERGE_RENAMES  # every rename of the publish was among those failed above
 
 
 def test_3_convert_never_replaces_its_source(converted, tmp_path, capfd):

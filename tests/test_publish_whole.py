@@ -4,13 +4,13 @@ into the folder after a kill), never new files beside old ones."""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 
 import pytest
 
 from mima.core.files import publish_folder, roll_back_interrupted_publishes, stage_folder
+from tests.helpers import FailingReplace
 
 OLD = {"results.json": "old json", "results.md": "old md", "results.csv": "old csv", "plots/a.png": "old png"}
 NEW = {"results.json": "new json", "results.md": "new md", "results.csv": "new csv", "plots/a.png": "new png",
@@ -34,24 +34,12 @@ def _staged(target):
     return staging
 
 
-def _failing_at(call: int):
-    """os.replace that fails (EBUSY, as a busy mount point's rename) at its call-th use."""
-    real, count = os.replace, [0]
-
-    def replace(source, destination):
-        count[0] += 1
-        if count[0] == call:
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(destination))
-        return real(source, destination)
-    return replace
-
-
 @pytest.mark.parametrize("call", range(1, RENAMES + 1))
 def test_a_rename_that_fails_leaves_the_earlier_set(tmp_path, monkeypatch, call):
     target = tmp_path / "table"
     _write(target, OLD)
     staging = _staged(target)
-    monkeypatch.setattr(os, "replace", _failing_at(call))
+    monkeypatch.setattr(os, "replace", FailingReplace(call))
     with pytest.raises(OSError):
         publish_folder(staging, target, overwrite=True)
     monkeypatch.undo()
