@@ -37,8 +37,8 @@ import yaml
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from tests.conftest import fit_config, merge_argv, poisoned
-from tests.helpers import (STRIPES, FailingReplace, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan, damaged_task,
-                           first_half, fit_argv, garbage_png, temporaries, tree, unchanged)
+from tests.helpers import (STRIPES, FailingReplace, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan,
+                           damaged_task, first_half, fit_argv, garbage_png, temporaries, tree, unchanged)
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
