@@ -108,6 +108,10 @@ class Grid:
 
 
 ALL_MERGES = ("uniform", "task_arithmetic", "ties", "tsv", "adamerging")
+# Merges that learn from task data: `mima evaluate` (the sweep's table) takes data-free merges only, so
+# these run per run through `mima merge --models RUN` (its OUTPUT.results.json: test accuracy per task)
+DATA_MERGES = frozenset({"adamerging"})
+DATA_MERGE_FOLDER = "data_merges"  # in a cell's folder: <run>-<method>.safetensors and its results
 FEW_MERGES = ("uniform", "task_arithmetic")  # at T = 8 and 12: the compute stays inside the machine
 
 
@@ -253,7 +257,8 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
     if dry_run:
         return []
     cpu, wall = time.process_time(), time.perf_counter()
-    results = run_sweep(config, folder, iterations=iterations, merges=list(cell.merges), progress=progress,
+    free = [merge for merge in cell.merges if merge not in DATA_MERGES]
+    results = run_sweep(config, folder, iterations=iterations, merges=free, progress=progress,
                         select_on_val=grid.select_on_val,
                         title=f"study T={cell.tasks} {cell.budget} {cell.operator}",
                         extra={"study": grid.name, "operator": cell.operator, "budget": cell.budget},
@@ -262,7 +267,29 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
     if not evaluation.is_file():  # the first evaluation's; a later call resumes its cells (seconds)
         evaluation.write_text(json.dumps({"cpu_s": round(time.process_time() - cpu, 2),
                                           "wall_s": round(time.perf_counter() - wall, 2)}, indent=2) + "\n")
+    for method in (merge for merge in cell.merges if merge in DATA_MERGES):
+        results += [data_merge_result(folder, run_folder, seed, method)
+                    for model_settings, seed, run_folder, _ in settings if "mode" not in model_settings]
     return results
+
+
+def data_merge_result(folder: Path, run_folder, seed: int | None, method: str):
+    """A data-dependent merge of one run's final models (`mima merge --models RUN --method METHOD`,
+    its defaults), as a row of the cell's table: its test accuracy per task. Written once into
+    FOLDER/data_merges/ and read back by later calls. No per-image records: no interval."""
+    from mima.api import merge
+    from mima.evaluation.results import ModelResult
+
+    output = folder / DATA_MERGE_FOLDER / f"{run_folder.path.name}-{method}.safetensors"
+    results_file = output.with_name(output.name + ".results.json")
+    if not results_file.is_file():
+        print(f"study: {folder.name}: {method} of {run_folder.path.name}")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        merge(run_folder.path, method, output=output, overwrite=True)
+    accuracy = dict(read_json(results_file)["test_accuracy"])
+    accuracy.pop("mean", None)
+    iterations = int(load_run_config(run_folder).model.iterations)
+    return ModelResult(iterations, method, {task: float(value) for task, value in accuracy.items()}, seed=seed)
 
 
 # ------------------------------------------------------------------------------ the tables

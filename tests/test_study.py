@@ -29,7 +29,8 @@ def _study():
 
 
 def _tiny_grid(study):
-    cells = tuple(study.Cell(2, "equal", operator, (1, 2), ("uniform",), joint=False) for operator in ("uniform", "atm"))
+    cells = (study.Cell(2, "equal", "uniform", (1, 2), ("uniform", "adamerging"), joint=False),
+             study.Cell(2, "equal", "atm", (1, 2), ("uniform",), joint=False))
     return study.Grid("tiny", (0,), cells, steps=4, family=TASKS, select_on_val=False)
 
 
@@ -99,6 +100,12 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
             assert ours["accuracy"] == pytest.approx(statistics.fmean(ours["per_seed"]), abs=1e-12)
             assert ours["ci95_per_seed"] == [[pytest.approx(100 * v, abs=1e-9) for v in row["ci95"]]]
     assert {(r["operator"], r["N"]) for r in rows if r["model"] == "uniform"} == {("uniform", 1), ("uniform", 2), ("atm", 2)}
+    # AdaMerging (data-dependent, outside `mima evaluate`'s table): `mima merge --models RUN`'s results, per run
+    for n in (1, 2):
+        merged = json.loads((uniform / "data_merges" / f"N{n}-seed0-adamerging.safetensors.results.json").read_text())
+        ours, = [r for r in rows if (r["operator"], r["N"], r["model"]) == ("uniform", n, "adamerging")]
+        assert ours["per_seed"] == [pytest.approx(100 * merged["test_accuracy"]["mean"], abs=1e-9)]
+        assert ours["ci95_per_seed"] == [None]
     markdown = (out / "study.md").read_text()
     n2 = [r for r in rows if (r["operator"], r["N"], r["model"]) == ("atm", 2, "uniform")][0]
     assert f"| 2 | equal | atm | 2 | uniform | {n2['accuracy']:.1f} |" in markdown
