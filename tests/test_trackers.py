@@ -1,5 +1,6 @@
 """Experiment trackers (issue 39, item 1; mima.training.trackers): W&B (offline) and MLflow (a file
-store) fed from a W = 2 run, read back with their own files and client.
+store) fed from W = 2 runs (the demo config, and the suite's small CLIP for the kill, stop and
+failure cases), read back with their own files and client.
 
 The reference for "each task's loss at every logged step, once" is the run's own per-process
 metrics.csv files (every process writes its own tasks' rows). W&B's offline run file is read here
@@ -9,18 +10,18 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import STEPS, assert_identical, cli, finals, run_job, write_config
+from tests.helpers import assert_identical, cli, finals, run_job, write_config
 from tests.wandb_records import history_rows, offline_runs
 
 pytestmark = pytest.mark.slow
-TASKS = ["rot90", "rot180", "rot270", "mirror"]
+TASKS = ["rot90", "rot180", "rot270", "mirror"]  # the digits tasks of the small jobs and of configs/demo.yaml
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +36,16 @@ def tracker_config(tmp_path: Path, clip: str, name: str, loggers: list[dict], ca
     config = yaml.safe_load(path.read_text())
     config["trainer"]["logger"] = loggers or None
     config["trainer"]["log_every_n_steps"] = 1
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def demo_config(tmp_path: Path, name: str, devices: int, loggers: list[dict]) -> Path:
+    """configs/demo.yaml (the embedded default; threads_per_process 1, so 1 and 2 processes give the
+    same bits) with `devices` processes and these trackers."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["trainer"].update(devices=devices, logger=loggers or None, enable_progress_bar=False, log_every_n_steps=1)
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -70,10 +81,9 @@ def csv_learning_rates(run: Path, task: str) -> list[float]:
     return sorted(values)
 
 
-def warmup_cosine_rates(lr: float, steps: int, warmup: int) -> list[float]:
-    """The paper's schedule over a task's own steps, written out: linear warm-up, then a cosine to 0."""
-    return sorted(lr * ((s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))))
-                  for s in range(steps))
+def warmup_constant_rates(lr: float, steps: int, warmup: int) -> list[float]:
+    """The demo's schedule over a task's own steps, written out: linear warm-up, then constant."""
+    return sorted(lr * ((s + 1) / warmup if s < warmup else 1.0) for s in range(steps))
 
 
 def mlflow_losses(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
@@ -109,16 +119,19 @@ def plain_run(tmp_path_factory, small_clip) -> Path:
     return tmp_path / "run"
 
 
-def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path, small_clip, plain_run, capfd):
+def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path, capfd):
+    """The demo (configs/demo.yaml) on 2 processes with W&B (offline) and MLflow (a file store); the
+    reference is the same demo on 1 process without trackers."""
     uri = f"file:{tmp_path / 'mlruns'}"
-    config = tracker_config(tmp_path, small_clip, "tracked", [wandb_logger(), mlflow_logger(uri)])
-    done = run_job(config, tmp_path / "run")
+    plain = run_job(demo_config(tmp_path, "plain", 1, []), tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    done = run_job(demo_config(tmp_path, "tracked", 2, [wandb_logger(), mlflow_logger(uri)]), tmp_path / "run")
     assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "run"
+    run, steps = tmp_path / "run", yaml.safe_load(DEMO.read_text())["model"]["steps"]
     expected = csv_losses(run)
-    assert sorted(expected) == sorted(TASKS) and all(len(steps) == STEPS for steps in expected.values())  # every step logged
+    assert sorted(expected) == sorted(TASKS) and all(len(task_steps) == steps for task_steps in expected.values())
     for task in TASKS:  # each step's learning rate beside its loss: the schedule, one value per task step
-        assert csv_learning_rates(run, task) == pytest.approx(warmup_cosine_rates(1e-3, STEPS, 2), rel=1e-9)
+        assert csv_learning_rates(run, task) == pytest.approx(warmup_constant_rates(1e-3, steps, 32), rel=1e-9)
     record = yaml.safe_load((run / "tracker.json").read_text())
     # MLflow: one run in the experiment, each task's loss at every step the CSV files hold, once
     from mlflow.tracking import MlflowClient
@@ -128,12 +141,12 @@ def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path, small_clip,
     runs = client.search_runs([experiment.experiment_id])
     assert [r.info.run_id for r in runs] == [record["MLFlowLogger"]["run_id"]]
     assert_each_step_once(mlflow_losses(uri, runs[0].info.run_id), expected)
-    assert runs[0].data.params["model/steps"] == str(STEPS)  # the run's config, flattened
+    assert runs[0].data.params["model/steps"] == str(steps)  # the run's config, flattened
     # W&B: one offline run (rank 0's), the same rows
     files = offline_runs(run / "wandb")
     assert [f.stem for f in files] == [f"run-{record['WandbLogger']['run_id']}"]
     assert_each_step_once(wandb_losses(files), expected)
-    assert_identical(finals(run, TASKS), finals(plain_run, TASKS))  # the trackers change nothing
+    assert_identical(finals(run, TASKS), finals(tmp_path / "plain", TASKS))  # neither the trackers nor W change a bit
     # mima merge and mima evaluate log their tables to the same runs
     merged = cli(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", run, "--output",
                   tmp_path / "merged.safetensors", "--log-to-tracker"], capfd)
