@@ -181,7 +181,8 @@ def reference(tmp_path_factory, small_clip):
 # --no-loadscope-reorder` (pyproject.toml) pytest-xdist hands files to its workers in collection
 # order: longest first, so that no long file starts last while the other worker sits idle.
 LONGEST_FILES = (
-    "test_distributed.py", "test_slurm.py", "test_demo.py", "test_task_budgets.py", "test_checkpoint_schedule.py",
+    "test_distributed.py", "test_slurm.py", "test_trackers.py", "test_demo.py", "test_task_budgets.py",
+    "test_checkpoint_schedule.py",
     "test_embedded.py", "test_resource_plan.py", "test_accumulation.py", "test_evaluate_cells.py",
     "test_clip_configs.py", "test_disk_refusals.py", "test_run_lock.py", "test_image_folder.py", "test_data_cache.py",
     "test_joint.py", "test_offline_suite.py",
