@@ -195,11 +195,11 @@ def test_after_a_sigkill_the_resumed_run_continues_the_same_tracker_runs(tmp_pat
     assert [r.info.run_id for r in runs] == [record["MLFlowLogger"]["run_id"]]
     # MLflow's client writes as it is called: every step once, the killed attempt's included
     assert_each_step_once(mlflow_losses(uri, record["MLFlowLogger"]["run_id"]), expected)
-    # W&B: one offline file per attempt (a third for the resent rows is not made: the resume sends them
-    # into its own), both of the same run id. W&B's service held the killed attempt's rows in memory,
-    # so its file has none of them; the resume sends them again from RUN/tracker_outbox.jsonl
+    # W&B: the resumed attempt's offline file, and the killed one's if its service had created it by the
+    # kill, all of the same run id. W&B's service held the killed attempt's rows in memory, so none of
+    # them are in its file; the resume sends them again from RUN/tracker_outbox.jsonl
     files = offline_runs(run / "wandb")
-    assert len(files) == 2 and {f.stem for f in files} == {f"run-{record['WandbLogger']['run_id']}"}
+    assert len(files) in (1, 2) and {f.stem for f in files} == {f"run-{record['WandbLogger']['run_id']}"}
     assert_each_step_once(wandb_losses(files), expected)
     assert not (run / "tracker_outbox.jsonl").exists()  # cleared once W&B's run had finished
     assert_identical(finals(run, TASKS), finals(plain_run, TASKS))

@@ -80,6 +80,8 @@ def run_merge(options: MergeOptions) -> None:
     model_paths, run_tasks, run_base = expand_models(options.models)
     base_path = options.base if options.base is not None else run_base
     refuse_input_as_output(options.output, [*model_paths, *([base_path] if base_path is not None else [])])
+    with open_inputs(model_paths, base_path) as inputs:  # the method's rules, from the headers, before anything else
+        method.check(inputs.models, inputs.base, options.allow_non_finite, **given)
     config = options.config or (options.models[0] if run_tasks is not None else None)
     if options.log_to_tracker and run_tasks is None:
         raise MimaError("--log-to-tracker: needs --models RUN_FOLDER (the run whose tracker runs take the results)")
@@ -95,8 +97,6 @@ def run_merge(options: MergeOptions) -> None:
         # the merged model and its results are one set: written into a staging folder beside the
         # output, then placed together (an interrupted merge leaves the earlier set, never a new model
         # beside the results of the one it replaced)
-        with open_inputs(model_paths, base_path) as inputs:  # the method's rules, from the headers, before the data loads
-            method.check(inputs.models, inputs.base, options.allow_non_finite, **options.hyperparameters)
         from mima.pools import task_pool  # the model and data stack only when a merge is judged on tasks
 
         pool = task_pool(config)
