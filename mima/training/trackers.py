@@ -143,10 +143,12 @@ def log_to_run_trackers(run_dir: Path, logger_setting: Any, metrics: Mapping[str
     if not entries:
         return [f"{command}: {run_dir} logged to no experiment tracker (trainer.logger, {RunFolder(run_dir).tracker_file.name}); nothing sent"]
     lines = []
-    for tracker in build_trackers(entries, run_dir, record):
-        entry = record[tracker_key(tracker)]
+    for one in entries:
+        name = str(one["class_path"]).rpartition(".")[2]
+        entry = record[name]
         step = max(entry.get("logged_through", {}).values(), default=-1) + 1
         try:
+            tracker, = build_trackers([one], run_dir, record)
             tracker.log_metrics(dict(metrics), step=step)
             tracker.save()
             tracker.finalize("success")
@@ -155,9 +157,9 @@ def log_to_run_trackers(run_dir: Path, logger_setting: Any, metrics: Mapping[str
                 finish()
         except Exception as exc:  # the results are written already; the tracker is a copy
             reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-            lines.append(f"{command}: warning: the {tracker_key(tracker)} tracker failed to take the results ({reason})")
+            lines.append(f"{command}: warning: the {name} tracker failed to take the results ({reason})")
             continue
-        lines.append(f"{command}: logged {len(metrics)} values to {tracker_key(tracker)} run {entry['run_id']} of {run_dir}")
+        lines.append(f"{command}: logged {len(metrics)} values to {name} run {entry['run_id']} of {run_dir}")
     return lines
 
 
