@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import assert_identical, cli, finals, run_job, write_config
+from tests.helpers import assert_identical, finals, run_command, run_job, write_config
 from tests.wandb_records import history_rows, offline_runs
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def plain_run(tmp_path_factory, small_clip) -> Path:
     return tmp_path / "run"
 
 
-def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path, capfd):
+def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path):
     """The demo (configs/demo.yaml) on 2 processes with W&B (offline) and MLflow (a file store); the
     reference is the same demo on 1 process without trackers."""
     uri = f"file:{tmp_path / 'mlruns'}"
@@ -148,13 +148,15 @@ def test_both_trackers_get_every_task_loss_once_in_one_run(tmp_path, capfd):
     assert_each_step_once(wandb_losses(files), expected)
     assert_identical(finals(run, TASKS), finals(tmp_path / "plain", TASKS))  # neither the trackers nor W change a bit
     # mima merge and mima evaluate log their tables to the same runs
-    merged = cli(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", run, "--output",
-                  tmp_path / "merged.safetensors", "--log-to-tracker"], capfd)
-    assert merged.code == 0, merged.err
+    # (as commands of their own: W&B started in this process would leave its service, and the variable
+    # naming it, to every later job of the test process)
+    merged = run_command(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", run, "--output",
+                          tmp_path / "merged.safetensors", "--log-to-tracker"])
+    assert merged.returncode == 0, merged.stderr[-3000:]
     table = json.loads((tmp_path / "merged.safetensors.results.json").read_text())["test_accuracy"]
-    evaluated = cli(["evaluate", run, "--out", tmp_path / "table", "--merges", "uniform", "--no-select",
-                     "--log-to-tracker"], capfd)
-    assert evaluated.code == 0, evaluated.err
+    evaluated = run_command(["evaluate", run, "--out", tmp_path / "table", "--merges", "uniform", "--no-select",
+                             "--log-to-tracker"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     rows = json.loads((tmp_path / "table" / "results.json").read_text())
     uniform = {row["task"]: row["accuracy"] for row in rows if row["model"] == "uniform"}
     logged = client.get_run(runs[0].info.run_id).data.metrics
