@@ -59,7 +59,7 @@ from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
 from mima.core.errors import MimaError  # noqa: E402
 from mima.core.files import read_json  # noqa: E402
-from mima.core.run_folder import SweepFolder  # noqa: E402
+from mima.core.run_folder import JOINT, SweepFolder  # noqa: E402
 
 COST_FILE = "cost.json"  # beside a run's config.yaml: the run is finished and measured
 EVALUATION_COST_FILE = "evaluation_cost.json"  # in a cell's folder: its first evaluation (every merge, every run)
@@ -126,9 +126,9 @@ def full_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
 
 
 def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
-    """What fits in about 7 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal
-    budgets, N in 1 8, the five operators, every final merge, the joint model (22 fits at 3 seeds, about
-    3 hours); then MIMA at T = 8 and 12, N in 1 8, two final merges, the joint model (14 fits)."""
+    """About 7 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal budgets, N in
+    1 8, the five operators, every final merge, the joint model (24 fits at 3 seeds); then MIMA at T = 8
+    and 12, N in 1 8, two final merges, the joint model (18 fits)."""
     iterations = (1, 8)
     cells = [Cell(4, "equal", operator, iterations, ALL_MERGES, joint=operator == "uniform") for operator in OPERATORS]
     cells += [Cell(t, "equal", "uniform", iterations, FEW_MERGES, joint=True) for t in (8, 12)]
@@ -255,6 +255,9 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
         cost = fit_measured(run_config, cell.tasks, joint="mode" in model_settings)
         cost_file.write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
     if dry_run:
+        for seed in (grid.seeds[1:] if cell.joint else ()):
+            if not (folder / "runs" / f"{JOINT}-seed{seed}" / COST_FILE).is_file():
+                print(f"would fit {folder / 'runs' / f'{JOINT}-seed{seed}'} ({JOINT}, seed {seed})")
         return []
     cpu, wall = time.process_time(), time.perf_counter()
     free = [merge for merge in cell.merges if merge not in DATA_MERGES]
@@ -270,7 +273,37 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
     for method in (merge for merge in cell.merges if merge in DATA_MERGES):
         results += [data_merge_result(folder, run_folder, seed, method)
                     for model_settings, seed, run_folder, _ in settings if "mode" not in model_settings]
+    if cell.joint and len(grid.seeds) > 1:
+        # the sweep's table repeats its one joint model (the first seed's) in every seed's rows: those
+        # rows give way to the joint model trained at that seed
+        results = [r for r in results if not (r.model == JOINT and r.seed != grid.seeds[0])]
+        results += later_seed_joints(config, cell, grid, folder, progress)
     return results
+
+
+def later_seed_joints(config: Mapping, cell: Cell, grid: Grid, folder: Path, progress: bool) -> list:
+    """The joint model at the grid's other seeds (the sweep trains it at the first seed only), each
+    fitted into FOLDER/runs/joint-seed<s> (measured, like every run) and evaluated beside that seed's
+    N = 1 run in FOLDER/joint-seed<s>/ (`mima evaluate`: per-image records, intervals); its row is
+    repeated at each N of the cell, as the sweep's joint row is."""
+    from mima.commands.evaluate.runs import evaluate_runs
+    from mima.core.run_folder import RunFolder
+
+    sweep = SweepFolder(folder)
+    rows = []
+    for seed in grid.seeds[1:]:
+        run_path = sweep.path / "runs" / f"{JOINT}-seed{seed}"
+        if not (run_path / COST_FILE).is_file():
+            print(f"study: T={cell.tasks} {cell.budget} {cell.operator}: fitting {JOINT}, seed {seed}")
+            run_config = fit_run_config(config, {"mode": JOINT, "iterations": 1}, seed, run_path, progress)
+            cost = fit_measured(run_config, cell.tasks, joint=True)
+            (run_path / COST_FILE).write_text(json.dumps({"label": f"{JOINT}, seed {seed}", **cost}, indent=2) + "\n")
+        partner = sweep.run(min(cell.iterations), seed).path
+        evaluated = evaluate_runs([partner, RunFolder(run_path).path], folder / f"{JOINT}-seed{seed}", [],
+                                  select_on_val=grid.select_on_val, title=f"study T={cell.tasks} {JOINT}, seed {seed}")
+        joint, = [r for r in evaluated if r.model == JOINT]
+        rows += [dataclasses.replace(joint, N=n, seed=seed) for n in cell_iterations(cell) or cell.iterations]
+    return rows
 
 
 def data_merge_result(folder: Path, run_folder, seed: int | None, method: str):

@@ -120,3 +120,29 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
     assert {run: _final_bytes(run) for run in finals} == finals
     assert {path: path.read_bytes() for path in records} == records
     assert again == rows
+
+
+def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_clip, capsys):
+    """The sweep trains the joint baseline at the first seed; the study adds it at the other seeds,
+    each evaluated beside that seed's N = 1 run, so the joint row has a std over seeds too."""
+    study = _study()
+    out = tmp_path / "study"
+    base = fit_config(out, small_clip, list(TASKS), steps=4, iterations=1)
+    base.pop("out")
+    cell = study.Cell(2, "equal", "uniform", (1,), ("uniform",), joint=True)
+    grid = study.Grid("tiny-joint", (0, 1), (cell,), steps=4, family=TASKS, select_on_val=False)
+    rows = study.run_study(base, grid, out)
+    folder = out / "T2" / "equal" / "uniform"
+    assert sorted(p.name for p in (folder / "runs").iterdir()) == ["N1-seed0", "N1-seed1", "joint", "joint-seed1"]
+    assert RunFolder(folder / "runs" / "joint-seed1").is_joint() and (folder / "runs" / "joint-seed1" / "cost.json").is_file()
+    joint, = [r for r in rows if r["model"] == "joint"]
+    assert joint["seeds"] == [0, 1] and joint["accuracy_std"] is not None
+    # each seed's value is the mean row of the evaluation that holds that seed's joint model
+    table0 = json.loads((folder / "results.json").read_text())
+    table1 = json.loads((folder / "joint-seed1" / "results.json").read_text())
+    mean0, = {r["accuracy"] for r in table0 if r["model"] == "joint" and r["task"] == "mean" and r.get("seed") in (0, None)}
+    mean1, = [r["accuracy"] for r in table1 if r["model"] == "joint" and r["task"] == "mean"]
+    assert joint["per_seed"] == [pytest.approx(100 * mean0, abs=1e-9), pytest.approx(100 * mean1, abs=1e-9)]
+    capsys.readouterr()
+    again = study.run_study(base, grid, out)
+    assert "fitting" not in capsys.readouterr().out and again == rows
