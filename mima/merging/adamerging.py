@@ -60,23 +60,36 @@ def _unlabelled(pool: Pool, split: str, seed: int) -> dict[str, Iterator]:
     return {task: cycle(task) for task in pool.tasks}
 
 
-def combine_weights(anchor, vectors, coefficients, keys) -> dict[str, torch.Tensor]:
-    """anchor + sum_t c[l, t] * vector_t for every key (row l of c, or row 0 for task-wise)."""
+def combine_weights(anchor, vectors, coefficients, keys, buffer_keys: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """anchor + sum_t c[l, t] * vector_t for every key (row l of c, or row 0 for task-wise). Buffers
+    (BatchNorm's running statistics) take the mean row, detached: they are no parameter to learn a
+    coefficient for, and batch_norm refuses running statistics that carry a gradient."""
     weights = dict(anchor)
     for layer, key in enumerate(keys):
         row = coefficients[layer if coefficients.shape[0] > 1 else 0]
         weights[key] = anchor[key] + sum(row[t] * vectors[t][key] for t in range(len(vectors)))
+    if buffer_keys:
+        mean_row = coefficients.detach().mean(dim=0)
+        for key in buffer_keys:
+            weights[key] = anchor[key] + sum(mean_row[t] * vectors[t][key] for t in range(len(vectors)))
     return weights
 
 
-def total_entropy(pool: Pool, anchor, vectors, coefficients, keys, batches: dict[str, list]) -> torch.Tensor:
-    weights = combine_weights(anchor, vectors, coefficients, keys)
+def split_buffers(pool: Pool, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the keys that are the encoder's parameters, the floating buffers among `keys`)."""
+    parameters = {name for name, _ in pool.encoder.named_parameters()}
+    return [key for key in keys if key in parameters], [key for key in keys if key not in parameters]
+
+
+def total_entropy(pool: Pool, anchor, vectors, coefficients, keys, batches: dict[str, list],
+                  buffer_keys: Sequence[str] = ()) -> torch.Tensor:
+    weights = combine_weights(anchor, vectors, coefficients, keys, buffer_keys)
     return sum(entropy(pool.logits(weights, task, images)) for task in pool.tasks for images in batches[task])
 
 
 def adapt_coefficients(
     pool: Pool, anchor, vectors, keys, granularity: str, steps: int, lr: float, prior: float,
-    limits: tuple[float, float], adapt_on: str, seed: int = 0,
+    limits: tuple[float, float], adapt_on: str, seed: int = 0, buffer_keys: Sequence[str] = (),
 ) -> Adapted:
     rows = len(keys) if granularity == "layer" else 1
     raw = torch.full((rows, len(vectors)), float(prior), requires_grad=True)
@@ -84,16 +97,16 @@ def adapt_coefficients(
     streams = _unlabelled(pool, adapt_on, seed)
     probe = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in pool.tasks}
     with torch.no_grad():
-        before = float(total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, probe))
+        before = float(total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, probe, buffer_keys))
     for _ in range(steps):
         batches = {task: [next(streams[task]) for _ in range(BATCHES_PER_TASK)] for task in pool.tasks}
-        loss = total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, batches)
+        loss = total_entropy(pool, anchor, vectors, raw.clamp(*limits), keys, batches, buffer_keys)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
     coefficients = raw.detach().clamp(*limits)
     with torch.no_grad():
-        after = float(total_entropy(pool, anchor, vectors, coefficients, keys, probe))
+        after = float(total_entropy(pool, anchor, vectors, coefficients, keys, probe, buffer_keys))
     return Adapted(coefficients, before, after)
 
 
@@ -109,9 +122,10 @@ def notes_of(adapted: Adapted, keys, granularity: str) -> dict[str, object]:
     return notes
 
 
-def _merge(anchor_state, vectors, keys, adapted: Adapted) -> dict[str, torch.Tensor]:
+def _merge(anchor_state, vectors, keys, adapted: Adapted, buffer_keys: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     with torch.no_grad():
-        weights = combine_weights({k: anchor_state[k].float() for k in keys}, vectors, adapted.coefficients, keys)
+        weights = combine_weights({k: anchor_state[k].float() for k in [*keys, *buffer_keys]}, vectors,
+                                  adapted.coefficients, keys, buffer_keys)
     return {key: (weights[key].to(value.dtype) if key in weights else value.clone()) for key, value in anchor_state.items()}
 
 
@@ -121,11 +135,13 @@ def task_vectors(models: Sequence, base, keys) -> list[dict[str, torch.Tensor]]:
 
 def adamerging(models, base, pool: Pool, granularity: str, steps: int, lr: float, prior: float, adapt_on: str) -> MergeOutput:
     base_state = {key: base[key] for key in base}
-    keys = floating_keys(base_state)
-    vectors = task_vectors(models, base_state, keys)
-    anchor = {key: base_state[key].float() for key in keys}
-    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 1.0), adapt_on)
-    return MergeOutput(_merge(base_state, vectors, keys, adapted), notes_of(adapted, keys, granularity))
+    every_key = floating_keys(base_state)
+    keys, buffer_keys = split_buffers(pool, every_key)
+    vectors = task_vectors(models, base_state, every_key)
+    anchor = {key: base_state[key].float() for key in every_key}
+    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 1.0), adapt_on,
+                                 buffer_keys=buffer_keys)
+    return MergeOutput(_merge(base_state, vectors, keys, adapted, buffer_keys), notes_of(adapted, keys, granularity))
 
 
 def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
@@ -148,10 +164,12 @@ def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
 
 def adamerging_cart(models, base, pool: Pool, granularity: str, steps: int, lr: float, prior: float, adapt_on: str,
                     rank_ratio: float, matrix_keys: str) -> MergeOutput:
-    average, keys, vectors = centered_low_rank_vectors(models, rank_ratio, matrix_keys)
-    anchor = {key: average[key].float() for key in keys}
-    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 3.0), adapt_on)
-    return MergeOutput(_merge(average, vectors, keys, adapted), notes_of(adapted, keys, granularity))
+    average, every_key, vectors = centered_low_rank_vectors(models, rank_ratio, matrix_keys)
+    keys, buffer_keys = split_buffers(pool, every_key)
+    anchor = {key: average[key].float() for key in every_key}
+    adapted = adapt_coefficients(pool, anchor, vectors, keys, granularity, steps, lr, prior, (0.0, 3.0), adapt_on,
+                                 buffer_keys=buffer_keys)
+    return MergeOutput(_merge(average, vectors, keys, adapted, buffer_keys), notes_of(adapted, keys, granularity))
 
 
 register(
