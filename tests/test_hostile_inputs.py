@@ -335,6 +335,18 @@ def test_3_merge_with_results_replaces_model_and_results_as_one_set(finished_run
     assert replace.calls == MERGE_RENAMES  # every rename of the publish was among those failed above
 
 
+def test_3_a_staged_set_left_by_a_killed_merge_is_removed_by_the_next_merge(finished_run, tmp_path, capfd):
+    output = tmp_path / "out" / "merged.safetensors"
+    stale = output.parent / ".merged.safetensors.999999999.x1y2.tmp"  # no process has that pid (above pid_max)
+    (stale / "half").mkdir(parents=True)
+    (stale / "merged.safetensors").write_bytes(b"half written")
+    done = cli(["merge", "--method", "task_arithmetic", "--lam", "0.3", "--models", finished_run, "--output", output], capfd)
+    assert done.code == 0, done.err
+    assert not stale.exists() and f"removed {stale}" in done.err
+    assert sorted(p.name for p in output.parent.iterdir()) == [
+        "merged.safetensors", "merged.safetensors.results.json", "merged.safetensors.results.md"]
+
+
 def test_3_convert_never_replaces_its_source(converted, tmp_path, capfd):
     source = tmp_path / "model.pt"
     shutil.copy(converted["floor-valid"]["source"], source)

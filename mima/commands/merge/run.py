@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 from mima.commands.merge.options import MergeOptions
 from mima.core.errors import MimaError
-from mima.core.files import (publish_folder, refuse_input_as_output, refuse_overwrite, remove_folders, stage_folder,
-                             write_error, write_json_atomic, write_text_atomic)
+from mima.core.files import (publish_folder, refuse_input_as_output, refuse_overwrite, remove_folders,
+                             remove_stale_temporaries, stage_folder, write_error, write_json_atomic, write_text_atomic)
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
@@ -100,6 +100,7 @@ def run_merge(options: MergeOptions) -> None:
         from mima.pools import task_pool  # the model and data stack only when a merge is judged on tasks
 
         pool = task_pool(config)
+        remove_stale_temporaries(options.output)  # a staged set a killed merge left beside the output
         staging, created = stage_folder(options.output)
         staged = staging / options.output.name
         try:
