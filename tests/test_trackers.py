@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import assert_identical, finals, run_command, run_job, write_config
+from tests.helpers import assert_identical, finals, logged_losses, run_command, run_job, write_config
 from tests.wandb_records import history_rows, offline_runs
 
 pytestmark = pytest.mark.slow
@@ -63,13 +63,9 @@ def csv_losses(run: Path) -> dict[str, dict[int, float]]:
     """task -> step -> loss, from every process's metrics.csv."""
     losses: dict[str, dict[int, float]] = {}
     for file in sorted((run / "logs").rglob("metrics.csv")):
-        with file.open() as handle:
-            for row in csv.DictReader(handle):
-                for key, value in row.items():
-                    if key.startswith("train/loss/") and value:
-                        task_steps = losses.setdefault(key[len("train/loss/"):], {})
-                        assert int(row["step"]) not in task_steps, f"{file}: step {row['step']} of {key} twice"
-                        task_steps[int(row["step"])] = float(value)
+        for step, task, loss in logged_losses(file):
+            assert step not in losses.setdefault(task, {}), f"{file}: step {step} of {task} twice"
+            losses[task][step] = loss
     return losses
 
 
