@@ -4,7 +4,7 @@ theta_0, over N, T, per-task budgets and seeds, each run with its measured cost 
 One command, resumable (docs/results.md, "The study (issue 38): plan"):
 
     python benchmarks/study.py --out runs/study                   # the full grid
-    python benchmarks/study.py --grid reduced --out runs/study    # ~7 hours on 2 cores
+    python benchmarks/study.py --grid reduced --out runs/study    # ~5 hours on 2 cores
     python benchmarks/study.py --dry-run                          # list the runs, train nothing
 
 The grid is a list of cells (T, budget mode, phase-end operator); each cell is one sweep
@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from offline_suite import suite_config  # noqa: E402
+from study_claims import Claim, Side, claims_markdown, evaluate_claim  # noqa: E402
 
 from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
@@ -112,7 +113,12 @@ ALL_MERGES = ("uniform", "task_arithmetic", "ties", "tsv", "adamerging")
 # these run per run through `mima merge --models RUN` (its OUTPUT.results.json: test accuracy per task)
 DATA_MERGES = frozenset({"adamerging"})
 DATA_MERGE_FOLDER = "data_merges"  # in a cell's folder: <run>-<method>.safetensors and its results
-FEW_MERGES = ("uniform", "task_arithmetic")  # at T = 8 and 12: the compute stays inside the machine
+FEW_MERGES = ("uniform", "task_arithmetic")  # at T = 8 and 12 in the full grid: the compute stays inside the machine
+# The reduced grid's cheaper final merges. Choosing a merge's hyperparameters on validation is most of
+# a cell's evaluation (the T = 4 uniform cell: 1752 of its 1862 cells, 27 lam / k candidates per task
+# and run), so the reduced grid keeps every merge at T = 4 for MIMA's own operator only.
+OPERATOR_MERGES = ("uniform", "task_arithmetic")  # the other phase-end operators at T = 4
+GAIN_MERGES = ("uniform",)  # T = 8 and 12: MIMA's gain (the uniform merge at N = 8 minus N = 1), the joint gap
 
 
 def full_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
@@ -126,13 +132,17 @@ def full_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
 
 
 def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
-    """About 7 hours on a quiet 2-core machine (docs/results.md): T = 4 at S = 200, equal budgets, N in
-    1 8, the five operators, every final merge, the joint model (24 fits at 3 seeds); then MIMA at T = 8
-    and 12, N in 1 8, two final merges, the joint model (18 fits)."""
+    """Equal budgets at S = 200, N in 1 8, 3 seeds, in the order its findings are needed: MIMA at T = 4
+    with every final merge and the joint model; MIMA at T = 8 and 12 with the uniform merge and the
+    joint model (the gain table); then the other operators at T = 4 with the uniform and task
+    arithmetic merges, ATM first (the README's ATM-above-joint claim). 39 fits."""
     iterations = (1, 8)
-    cells = [Cell(4, "equal", operator, iterations, ALL_MERGES, joint=operator == "uniform") for operator in OPERATORS]
-    cells += [Cell(t, "equal", "uniform", iterations, FEW_MERGES, joint=True) for t in (8, 12)]
-    return Grid("reduced", tuple(seeds), tuple(cells), notes=("N = 2 and 4 and proportional budgets left out",))
+    cells = [Cell(4, "equal", "uniform", iterations, ALL_MERGES, joint=True)]
+    cells += [Cell(t, "equal", "uniform", iterations, GAIN_MERGES, joint=True) for t in (8, 12)]
+    cells += [Cell(4, "equal", operator, iterations, OPERATOR_MERGES, joint=False)
+              for operator in ("atm", "fedprox", "ties", "outer_nesterov")]
+    return Grid("reduced", tuple(seeds), tuple(cells),
+                notes=("N = 2 and 4 and proportional budgets left out; fewer final merges beside MIMA at T = 4",))
 
 
 GRIDS = {"full": full_grid, "reduced": reduced_grid}
@@ -387,13 +397,92 @@ def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> 
     (out / "costs.md").write_text("\n".join(cost_lines) + "\n")
 
 
+def grid_claims(grid: Grid) -> list[Claim]:
+    """The comparisons the study answers (OUT/claims.md), from the cells it has: per T, MIMA's gain
+    (the uniform merge at the largest N against N = 1) and the joint gap; at T = 4, each other
+    operator's uniform merge at the largest N against MIMA's and against the joint model, and the
+    final merges on MIMA's aligned task vectors against the uniform merge."""
+    claims = []
+    uniform = {cell.tasks: cell for cell in grid.cells if cell.operator == "uniform" and cell.budget == "equal"}
+    for tasks, cell in uniform.items():
+        name, top = f"T{tasks}/equal/uniform", max(cell.iterations)
+        if min(cell.iterations) < top:
+            claims.append(Claim(Side(name, "uniform", top), Side(name, "uniform", min(cell.iterations)), "MIMA's gain"))
+        if cell.joint:
+            claims.append(Claim(Side(name, JOINT), Side(name, "uniform", top), "the joint gap"))
+        claims += [Claim(Side(name, merge, top), Side(name, "uniform", top), "a final merge on MIMA's task vectors")
+                   for merge in cell.merges if merge not in ("uniform", *DATA_MERGES)]
+    for cell in grid.cells:
+        base = uniform.get(cell.tasks)
+        if cell.operator == "uniform" or cell.budget != "equal" or base is None:
+            continue
+        name, mima, top = str(cell.folder(Path())), f"T{cell.tasks}/equal/uniform", max(cell.iterations)
+        claims.append(Claim(Side(name, "uniform", top), Side(mima, "uniform", top), "the phase-end operator"))
+        if base.joint:
+            claims.append(Claim(Side(name, "uniform", top), Side(mima, JOINT), "the README's ATM-above-joint"
+                                if cell.operator == "atm" else "the phase-end operator against joint training"))
+        if cell.operator == "atm" and "tsv" in base.merges:
+            claims.append(Claim(Side(name, "uniform", top), Side(mima, "tsv", top), "docs/results.md: +0.6 over MIMA + TSV"))
+    return claims
+
+
+def write_claims(out: Path, grid: Grid, rows: Sequence[dict]) -> None:
+    """OUT/claims.md and claims.json: the comparisons whose cells are evaluated (the others listed),
+    and the table of MIMA's gain and the joint gap by T (from them and the summary `rows`)."""
+    found, pending = [], []
+    for claim in grid_claims(grid):
+        row = evaluate_claim(claim, out, list(grid.seeds))
+        if row is None:
+            pending.append(claim)
+        else:
+            found.append(row)
+    text = claims_markdown(found, pending, grid.seeds) + "\n" + gain_markdown(rows, found)
+    (out / "claims.md").write_text(text)
+    (out / "claims.json").write_text(json.dumps(found, indent=2) + "\n")
+
+
+def gain_markdown(rows: Sequence[dict], claims: Sequence[dict]) -> str:
+    """MIMA's gain (the uniform merge at the largest N minus the smallest, N = 1) and the joint gap (the joint model
+    minus that merge) at each T of the study, mean ± std over the seeds, with their intervals."""
+    def accuracy(tasks: int, n: int | None, model: str) -> str:
+        found = [r for r in rows if (r["T"], r["budget"], r["operator"], r["model"]) == (tasks, "equal", "uniform", model)
+                 and (n is None or r["N"] == n)]
+        if not found:
+            return "-"
+        std = f" ± {found[0]['accuracy_std']:.1f}" if found[0]["accuracy_std"] is not None else ""
+        return f"{found[0]['accuracy']:.1f}{std}"
+
+    def difference(first: str, second: str) -> str:
+        found = [c for c in claims if (c["first"], c["second"]) == (first, second)]
+        if not found:
+            return "-"
+        c = found[0]
+        std = f" ± {c['difference_std']:.1f}" if c["difference_std"] is not None else ""
+        over = " [{:+.1f}, {:+.1f}]".format(*c["ci95_over_seeds"]) if c["ci95_over_seeds"] else ""
+        return f"{c['difference']:+.1f}{std}{over}"
+
+    lines = ["## MIMA's gain and the joint gap by T", "",
+             "Mean test accuracy (%) over the tasks, mean ± std over the seeds; the differences in points "
+             "with the Student t 95 % interval over the seeds (the per-seed intervals are in the table above).", "",
+             "| T | N | uniform merge at N=1 | at the largest N | gain | joint | joint gap (joint - largest N's uniform) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    mima = [r for r in rows if (r["operator"], r["budget"], r["model"]) == ("uniform", "equal", "uniform")]
+    for tasks in sorted({r["T"] for r in mima}):
+        low, top = min(r["N"] for r in mima if r["T"] == tasks), max(r["N"] for r in mima if r["T"] == tasks)
+        lines.append(f"| {tasks} | {low} -> {top} | {accuracy(tasks, low, 'uniform')} | {accuracy(tasks, top, 'uniform')} | "
+                     f"{difference(f'T{tasks} MIMA N={top} + uniform', f'T{tasks} MIMA N={low} + uniform')} | "
+                     f"{accuracy(tasks, None, JOINT)} | {difference(f'T{tasks} joint', f'T{tasks} MIMA N={top} + uniform')} |")
+    return "\n".join(lines) + "\n"
+
+
 def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_run: bool = False) -> list[dict]:
     """Every cell of `grid` in order (resumable run by run), then the tables; the summary rows."""
     rows = []
     for cell in grid.cells:
         rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run))
-    if not dry_run:
-        write_tables(out, rows, cost_rows(out), grid)
+        if not dry_run:  # after every cell: a study stopped part way shows what it has
+            write_tables(out, rows, cost_rows(out), grid)
+            write_claims(out, grid, rows)
     return rows
 
 

@@ -4,6 +4,7 @@ cell with a cost record per run, the combined tables, and a second call trains n
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import statistics
@@ -146,3 +147,42 @@ def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_
     capsys.readouterr()
     again = study.run_study(base, grid, out)
     assert "fitting" not in capsys.readouterr().out and again == rows
+
+    # the paired comparison across the two evaluations of a seed (the joint model's and the sweep's):
+    # each seed's difference is that of the two mean accuracies the evaluations wrote; seed 0's
+    # interval is the one `mima evaluate` wrote for the pair (the uniform merge against the joint
+    # model, the sign turned); the interval over the seeds is Student t's from scipy
+    from scipy import stats
+
+    claims = json.loads((out / "claims.json").read_text())
+    gap, = [c for c in claims if c["says"] == "the joint gap"]
+    assert (gap["first"], gap["second"]) == ("T2 joint", "T2 MIMA N=1 + uniform")
+    means = {(model, seed): r["accuracy"] for r in table0 for model in ("uniform", "joint") for seed in (0, 1)
+             if (r["model"], r["task"], r.get("seed")) == (model, "mean", seed)}
+    means[("joint", 1)] = mean1  # the joint model of seed 1 is evaluated in joint-seed1/ only
+    for ours in gap["per_seed"]:
+        seed = ours["seed"]
+        assert ours["difference"] == pytest.approx(100 * (means[("joint", seed)] - means[("uniform", seed)]), abs=1e-6)
+        assert ours["ci95"][0] <= ours["difference"] <= ours["ci95"][1]
+    uniform0, = [r for r in table0 if (r["model"], r["task"], r.get("seed")) == ("uniform", "mean", 0)]
+    paired, = [p for p in uniform0["paired"] if p["model"] == "joint"]
+    assert gap["per_seed"][0]["ci95"] == [pytest.approx(-100 * paired["ci95"][1], abs=1e-9),
+                                          pytest.approx(-100 * paired["ci95"][0], abs=1e-9)]
+    differences = [s["difference"] for s in gap["per_seed"]]
+    half = stats.t.ppf(0.975, 1) * statistics.stdev(differences) / 2 ** 0.5
+    assert gap["ci95_over_seeds"] == [pytest.approx(statistics.fmean(differences) - half, abs=1e-9),
+                                      pytest.approx(statistics.fmean(differences) + half, abs=1e-9)]
+    assert f"| {gap['difference']:+.1f} ± {gap['difference_std']:.1f} |" in (out / "claims.md").read_text()
+
+
+def test_the_t_quantiles_and_the_verdicts():
+    from scipy import stats
+
+    _study()  # puts benchmarks/ on the path
+    claims = importlib.import_module("study_claims")
+    assert claims.T975 == {df: pytest.approx(stats.t.ppf(0.975, df), abs=1e-12) for df in range(1, 11)}
+    assert [claims.t975(df) for df in range(11, 60)] == [pytest.approx(stats.t.ppf(0.975, df), abs=1e-5) for df in range(11, 60)]
+    assert claims.verdict([(0.1, 0.5), (0.2, 0.9)], (0.05, 0.8)) == "first higher at 95 % (seeds and every seed)"
+    assert claims.verdict([(-0.1, 0.5), (0.2, 0.9)], (0.05, 0.8)) == "first higher at 95 % (seeds)"
+    assert claims.verdict([(-0.5, -0.1), (-0.9, -0.2)], (-1.0, 0.3)) == "second higher at 95 % (every seed)"
+    assert claims.verdict([(-0.5, 0.1)], None) == "not distinguishable"

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, recorded_best
+from mima.core.errors import MimaError
 from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
-from mima.core.run_folder import JOINT, SweepFolder
+from mima.core.run_folder import JOINT, RunFolder, SweepFolder
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
@@ -71,6 +72,26 @@ def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelR
         pairwise.setdefault(n, []).extend(geometry["pairs"])
     add_statistics(results, {key: records_on_test(store, *where, tasks) for key, where in cells.items()})
     return results, pairwise
+
+
+def recorded_test_records(folder: Path, run: Path, model: str) -> dict[str, TaskRecord]:
+    """Per task, the test counts and per-image record of `model` on `run` in the finished evaluation
+    in `folder` (`mima evaluate --out`), read from its cells, each checked as the results were: the
+    record of the hyperparameters it chose (only those are evaluated on test). For pairing models
+    of two evaluations on the same test images (benchmarks/study.py); nothing is written."""
+    store = CellStore(folder, session="reader", rank=0)
+    if store.read_manifest() is None:
+        raise MimaError(f"{folder}: not an evaluation folder (no {CellStore.MANIFEST})")
+    store.load()
+    run_id = str(Path(run).resolve())
+    cells = [cell for cell in store.values if (cell.run, cell.model, cell.split) == (run_id, model, "test")]
+    if not cells:
+        raise MimaError(f"{folder}: no test cells of {model} on {run}")
+    if len({cell.point for cell in cells}) > 1:
+        raise MimaError(f"{folder}: {model} on {run} has test cells at several hyperparameter points")
+    by_task = {cell.task: cell for cell in cells}
+    order = [task for task in RunFolder(run).task_order() if task in by_task]  # the bootstraps draw in task order
+    return {task: (tuple(store.get(by_task[task])), store.correct_images(by_task[task])) for task in order}
 
 
 def records_on_test(store: CellStore, run_id: str, model: str, point: str, tasks: list[str]) -> dict[str, TaskRecord]:
