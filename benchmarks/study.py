@@ -382,6 +382,10 @@ def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> 
         lines.append(f"| {row['T']} | {row['budget']} | {row['operator']} | {row['N']} | {row['model']} | "
                      f"{row['accuracy']:.1f}{std} | {_half_width(row['ci95_per_seed'])} | "
                      f"{' '.join(map(str, row['seeds']))} |")
+    shown = {(row["T"], row["budget"], row["operator"]) for row in rows}
+    missing = [str(cell.folder(Path())) for cell in grid.cells if (cell.tasks, cell.budget, cell.operator) not in shown]
+    if missing:
+        lines += ["", f"Cells of the grid not done yet: {', '.join(missing)}."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.md").write_text("\n".join(lines) + "\n")
     evaluations = {str(path.parent.relative_to(out)): read_json(path)
@@ -477,14 +481,37 @@ def gain_markdown(rows: Sequence[dict], claims: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_run: bool = False) -> list[dict]:
-    """Every cell of `grid` in order (resumable run by run), then the tables; the summary rows."""
+def cell_is_done(cell: Cell, grid: Grid, out: Path) -> bool:
+    """Every run of the cell is fitted (its cost.json, the later seeds' joint models too) and its
+    sweep has written its results."""
+    folder = cell.folder(out)
+    settings = run_settings(SweepFolder(folder), cell_iterations(cell), list(grid.seeds), cell.joint)
+    joints = [folder / "runs" / f"{JOINT}-seed{seed}" for seed in (grid.seeds[1:] if cell.joint else ())]
+    return (folder / "results.json").is_file() and all(
+        (path / COST_FILE).is_file() for path in [run.path for _, _, run, _ in settings] + joints)
+
+
+def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_run: bool = False,
+              only: Sequence[str] = (), tables: bool = False) -> list[dict]:
+    """Every cell of `grid` in order (resumable run by run), then the tables; the summary rows.
+    `only`: the folders (e.g. "T12/equal/uniform") of the cells to run, the others left alone, and no
+    tables written (a second process can so take a cell while the first runs the others). `tables`:
+    fit nothing; the tables from the cells that are done (`cell_is_done`), the others left out."""
+    known = {str(cell.folder(Path())) for cell in grid.cells}
+    if set(only) - known:
+        raise MimaError(f"--only {' '.join(sorted(set(only) - known))}: not a cell of grid {grid.name} "
+                        f"(its cells: {', '.join(sorted(known))})")
     rows = []
     for cell in grid.cells:
+        if (only and str(cell.folder(Path())) not in only) or (tables and not cell_is_done(cell, grid, out)):
+            continue
         rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run))
-        if not dry_run:  # after every cell: a study stopped part way shows what it has
+        if not dry_run and not only and not tables:  # after every cell: a study stopped part way shows what it has
             write_tables(out, rows, cost_rows(out), grid)
             write_claims(out, grid, rows)
+    if tables:
+        write_tables(out, rows, cost_rows(out), grid)
+        write_claims(out, grid, rows)
     return rows
 
 
@@ -498,13 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (at least 3 for the study)")
     parser.add_argument("--steps", type=int, default=None, help="S per task (default: the config's)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs still to fit; fit nothing")
+    parser.add_argument("--only", nargs="+", default=(), metavar="CELL",
+                        help="run only these cells (their folders under --out, e.g. T12/equal/uniform), "
+                        "for a second process beside the first; writes no tables")
+    parser.add_argument("--tables", action="store_true",
+                        help="fit nothing: write the tables from the cells that are done (study.md names the grid's others)")
     parser.add_argument("--progress", action="store_true", help="show progress bars")
     options = parser.parse_args(argv)
     grid = GRIDS[options.grid](options.seeds)
     if options.steps is not None:
         grid = dataclasses.replace(grid, steps=options.steps)
     try:
-        run_study(suite_config(options.config), grid, options.out, options.progress, options.dry_run)
+        run_study(suite_config(options.config), grid, options.out, options.progress, options.dry_run, options.only, options.tables)
     except MimaError as exc:
         print(f"study: error: {exc}", file=sys.stderr)
         return 2

@@ -68,6 +68,14 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
     base = fit_config(out, small_clip, list(TASKS), steps=4, iterations=1)
     base.pop("out")
     grid = _tiny_grid(study)
+    with pytest.raises(MimaError, match="--only T3/equal/atm: not a cell of grid tiny"):
+        study.run_study(base, grid, out, only=["T3/equal/atm"])
+    assert study.run_study(base, grid, out, tables=True) == [] and "not done yet: T2/equal/uniform, T2/equal/atm" in (
+        out / "study.md").read_text()
+    # a second process's share first: the ATM cell alone, no tables; the full command then does the rest
+    assert {r["operator"] for r in study.run_study(base, grid, out, only=["T2/equal/atm"])} == {"atm"}
+    assert not study.cell_is_done(grid.cells[0], grid, out) and study.cell_is_done(grid.cells[1], grid, out)
+    assert "not done yet: T2/equal/uniform, T2/equal/atm" in (out / "study.md").read_text()
     rows = study.run_study(base, grid, out)
 
     uniform, atm = out / "T2" / "equal" / "uniform", out / "T2" / "equal" / "atm"
@@ -121,6 +129,7 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
     assert {run: _final_bytes(run) for run in finals} == finals
     assert {path: path.read_bytes() for path in records} == records
     assert again == rows
+    assert study.run_study(base, grid, out, tables=True) == rows
 
 
 def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_clip, capsys):
