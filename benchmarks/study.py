@@ -482,12 +482,15 @@ def gain_markdown(rows: Sequence[dict], claims: Sequence[dict]) -> str:
 
 
 def cell_is_done(cell: Cell, grid: Grid, out: Path) -> bool:
-    """Every run of the cell is fitted (its cost.json, the later seeds' joint models too) and its
-    sweep has written its results."""
+    """Every run of the cell is fitted (its cost.json, the later seeds' joint models too), its sweep
+    has written its results and its data-dependent merges theirs."""
     folder = cell.folder(out)
     settings = run_settings(SweepFolder(folder), cell_iterations(cell), list(grid.seeds), cell.joint)
     joints = [folder / "runs" / f"{JOINT}-seed{seed}" for seed in (grid.seeds[1:] if cell.joint else ())]
-    return (folder / "results.json").is_file() and all(
+    data_merges = [folder / DATA_MERGE_FOLDER / f"{run.path.name}-{method}.safetensors.results.json"
+                   for method in cell.merges if method in DATA_MERGES
+                   for model_settings, _, run, _ in settings if "mode" not in model_settings]
+    return (folder / "results.json").is_file() and all(path.is_file() for path in data_merges) and all(
         (path / COST_FILE).is_file() for path in [run.path for _, _, run, _ in settings] + joints)
 
 
