@@ -135,16 +135,17 @@ def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
     """Equal budgets at S = 200, N in 1 8, 3 seeds, in the order its findings are needed: MIMA at T = 4
     with every final merge and the joint model; ATM at T = 4 (the README's ATM-above-joint claim); MIMA
     at T = 8 and 12 with the uniform merge and the joint model (the gain table); then the other
-    operators at T = 4. The operators other than MIMA take the uniform and task arithmetic merges.
-    39 fits."""
+    operators at T = 4; last MIMA at T = 4 with budgets proportional to the training sets. The cells
+    other than MIMA's first take the uniform and task arithmetic merges. 45 fits."""
     iterations = (1, 8)
     cells = [Cell(4, "equal", "uniform", iterations, ALL_MERGES, joint=True),
              Cell(4, "equal", "atm", iterations, OPERATOR_MERGES, joint=False)]
     cells += [Cell(t, "equal", "uniform", iterations, GAIN_MERGES, joint=True) for t in (8, 12)]
     cells += [Cell(4, "equal", operator, iterations, OPERATOR_MERGES, joint=False)
               for operator in ("fedprox", "ties", "outer_nesterov")]
+    cells.append(Cell(4, "proportional", "uniform", iterations, OPERATOR_MERGES, joint=False))
     return Grid("reduced", tuple(seeds), tuple(cells),
-                notes=("N = 2 and 4 and proportional budgets left out; fewer final merges beside MIMA at T = 4",))
+                notes=("N = 2 and 4 left out; proportional budgets for MIMA only; fewer final merges beside MIMA at T = 4",))
 
 
 GRIDS = {"full": full_grid, "reduced": reduced_grid}
@@ -407,7 +408,8 @@ def grid_claims(grid: Grid) -> list[Claim]:
     """The comparisons the study answers (OUT/claims.md), from the cells it has: per T, MIMA's gain
     (the uniform merge at the largest N against N = 1) and the joint gap; at T = 4, each other
     operator's uniform merge at the largest N against MIMA's and against the joint model, and the
-    final merges on MIMA's aligned task vectors against the uniform merge."""
+    final merges on MIMA's aligned task vectors against the uniform merge; MIMA under other budgets
+    against equal budgets, at each N both have."""
     claims = []
     uniform = {cell.tasks: cell for cell in grid.cells if cell.operator == "uniform" and cell.budget == "equal"}
     for tasks, cell in uniform.items():
@@ -420,6 +422,10 @@ def grid_claims(grid: Grid) -> list[Claim]:
                    for merge in cell.merges if merge not in ("uniform", *DATA_MERGES)]
     for cell in grid.cells:
         base = uniform.get(cell.tasks)
+        if cell.budget != "equal" and base is not None and cell.operator == "uniform":
+            name = str(cell.folder(Path()))
+            claims += [Claim(Side(name, "uniform", n), Side(f"T{cell.tasks}/equal/uniform", "uniform", n),
+                             f"{cell.budget} budgets against equal") for n in sorted(set(cell.iterations) & set(base.iterations))]
         if cell.operator == "uniform" or cell.budget != "equal" or base is None:
             continue
         name, mima, top = str(cell.folder(Path())), f"T{cell.tasks}/equal/uniform", max(cell.iterations)

@@ -54,11 +54,12 @@ class Side:
         return cell / f"{JOINT}-seed{seed}", cell / "runs" / f"{JOINT}-seed{seed}"
 
     def label(self) -> str:
-        operator = self.cell.split("/")[-1]
+        tasks, budget, operator = self.cell.split("/")
+        budgets = "" if budget == "equal" else f" ({budget} budgets)"
         if self.model == JOINT:
-            return f"{self.cell.split('/')[0]} joint"
+            return f"{tasks} joint{budgets}"
         sync = "MIMA" if operator == "uniform" else operator
-        return f"{self.cell.split('/')[0]} {sync} N={self.n} + {self.model}"
+        return f"{tasks} {sync}{budgets} N={self.n} + {self.model}"
 
 
 @dataclass(frozen=True)
