@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from offline_suite import suite_config  # noqa: E402
-from study_claims import Claim, Side, claims_markdown, evaluate_claim  # noqa: E402
+from study_claims import Claim, Side, claims_markdown, evaluate_claim, mean_std  # noqa: E402
 
 from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
@@ -379,9 +379,8 @@ def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> 
              "| T | budget | operator | N | model | accuracy | ci95 +- | seeds |",
              "| ---: | --- | --- | ---: | --- | ---: | ---: | --- |"]
     for row in rows:
-        std = f" ± {row['accuracy_std']:.1f}" if row["accuracy_std"] is not None else ""
         lines.append(f"| {row['T']} | {row['budget']} | {row['operator']} | {row['N']} | {row['model']} | "
-                     f"{row['accuracy']:.1f}{std} | {_half_width(row['ci95_per_seed'])} | "
+                     f"{mean_std(row['accuracy'], row['accuracy_std'])} | {_half_width(row['ci95_per_seed'])} | "
                      f"{' '.join(map(str, row['seeds']))} |")
     shown = {(row["T"], row["budget"], row["operator"]) for row in rows}
     missing = [str(cell.folder(Path())) for cell in grid.cells if (cell.tasks, cell.budget, cell.operator) not in shown]
@@ -461,17 +460,15 @@ def gain_markdown(rows: Sequence[dict], claims: Sequence[dict]) -> str:
                  and (n is None or r["N"] == n)]
         if not found:
             return "-"
-        std = f" ± {found[0]['accuracy_std']:.1f}" if found[0]["accuracy_std"] is not None else ""
-        return f"{found[0]['accuracy']:.1f}{std}"
+        return mean_std(found[0]["accuracy"], found[0]["accuracy_std"])
 
     def difference(first: str, second: str) -> str:
         found = [c for c in claims if (c["first"], c["second"]) == (first, second)]
         if not found:
             return "-"
         c = found[0]
-        std = f" ± {c['difference_std']:.1f}" if c["difference_std"] is not None else ""
         over = " [{:+.1f}, {:+.1f}]".format(*c["ci95_over_seeds"]) if c["ci95_over_seeds"] else ""
-        return f"{c['difference']:+.1f}{std}{over}"
+        return mean_std(c["difference"], c["difference_std"], signed=True) + over
 
     lines = ["## MIMA's gain and the joint gap by T", "",
              "Mean test accuracy (%) over the tasks, mean ± std over the seeds; the differences in points "

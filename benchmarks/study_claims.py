@@ -131,6 +131,12 @@ def evaluate_claim(claim: Claim, out: Path, seeds: Sequence[int]) -> dict | None
     }
 
 
+def mean_std(mean: float, std: float | None, signed: bool = False) -> str:
+    """'93.4 ± 0.2' (one decimal; no std for one seed); `signed`: '+1.1 ± 0.2'."""
+    value = f"{mean:+.1f}" if signed else f"{mean:.1f}"
+    return value if std is None else f"{value} ± {std:.1f}"
+
+
 def claims_markdown(rows: Sequence[dict], pending: Sequence[Claim], seeds: Sequence[int]) -> str:
     """OUT/claims.md: one line per comparison, then those whose cells have not been evaluated yet."""
     lines = [f"# The study's paired comparisons, seeds {list(seeds)}", "",
@@ -140,10 +146,9 @@ def claims_markdown(rows: Sequence[dict], pending: Sequence[Claim], seeds: Seque
              "| first | second | difference | 95 % over seeds | 95 % per seed (images) | verdict | checks |",
              "| --- | --- | ---: | --- | --- | --- | --- |"]
     for row in rows:
-        std = f" ± {row['difference_std']:.1f}" if row["difference_std"] is not None else ""
         over = "[{:+.1f}, {:+.1f}]".format(*row["ci95_over_seeds"]) if row["ci95_over_seeds"] else "-"
         seeds_text = "; ".join("[{:+.1f}, {:+.1f}]".format(*r["ci95"]) for r in row["per_seed"])
-        lines.append(f"| {row['first']} | {row['second']} | {row['difference']:+.1f}{std} | {over} | {seeds_text} | "
+        lines.append(f"| {row['first']} | {row['second']} | {mean_std(row['difference'], row['difference_std'], signed=True)} | {over} | {seeds_text} | "
                      f"{row['verdict']} | {row['says']} |")
     if pending:
         lines += ["", "Not evaluated yet: " + "; ".join(f"{c.first.label()} vs {c.second.label()}" for c in pending) + "."]
