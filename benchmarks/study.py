@@ -1,11 +1,13 @@
 """The study of issue 38 (item 5): MIMA beside the federated phase-end operators, the joint model and
 theta_0, over N, T, per-task budgets and seeds, each run with its measured cost beside `mima plan`'s.
 
-One command, resumable (docs/results.md, "The study (issue 38): plan"):
+One command, resumable (docs/results.md, "The study (issue 38)"):
 
     python benchmarks/study.py --out runs/study                   # the full grid
-    python benchmarks/study.py --grid reduced --out runs/study    # ~5 hours on 2 cores
+    python benchmarks/study.py --grid reduced --out runs/study    # 45 fits, ~4 hours on 2 cores
     python benchmarks/study.py --dry-run                          # list the runs, train nothing
+    python benchmarks/study.py --grid reduced --only T12/equal/uniform   # a second process: one cell
+    python benchmarks/study.py --grid reduced --tables            # the tables of the cells done so far
 
 The grid is a list of cells (T, budget mode, phase-end operator); each cell is one sweep
 (mima.commands.sweep.run_sweep over N and the seeds) in OUT/T<T>/<budget>/<operator>/, whose runs
@@ -14,7 +16,9 @@ with its CPU seconds measured, and its cost written beside it (cost.json); a run
 is finished and skipped, so the same command resumes the study run by run, and a finished study run
 again trains nothing. The sweep then only evaluates (its evaluation cells resume too). At the end,
 OUT/study.md and OUT/study.json: mean +- std over the seeds of each (cell, N, model) with the 95 %
-intervals `mima evaluate` writes, and OUT/costs.md: each run's measured cost beside the plan's.
+intervals `mima evaluate` writes; OUT/claims.md and claims.json: recipes paired across cells on the
+same test images (benchmarks/study_claims.py), and the table of MIMA's gain and the joint gap by T;
+OUT/costs.md: each run's measured cost beside the plan's.
 
 What "cost" holds (cost.json):
   cpu_s            user + system CPU seconds of the fit: this process's threads
