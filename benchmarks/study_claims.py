@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT
 
 # Student t's 97.5 % quantile by degrees of freedom (scipy.stats.t.ppf(0.975, df); the test checks
@@ -115,7 +116,7 @@ def evaluate_claim(claim: Claim, out: Path, seeds: Sequence[int]) -> dict | None
         first = recorded_test_records(*sides[0], claim.first.model)
         second = recorded_test_records(*sides[1], claim.second.model)
         if list(first) != list(second) or any(first[t][0][1] != second[t][0][1] for t in first):
-            raise ValueError(f"{claim.first.label()} and {claim.second.label()}: not the same test images at seed {seed}")
+            raise MimaError(f"{claim.first.label()} and {claim.second.label()}: not the same test images at seed {seed}")
         comparison = compare(first, second, (0, seed, claim.second.model))
         per_seed.append({"seed": seed, "difference": 100 * comparison.difference,
                          "ci95": [100 * bound for bound in comparison.interval]})

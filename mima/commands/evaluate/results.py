@@ -87,11 +87,16 @@ def recorded_test_records(folder: Path, run: Path, model: str) -> dict[str, Task
     cells = [cell for cell in store.values if (cell.run, cell.model, cell.split) == (run_id, model, "test")]
     if not cells:
         raise MimaError(f"{folder}: no test cells of {model} on {run}")
-    if len({cell.point for cell in cells}) > 1:
+    points = {cell.point for cell in cells}
+    if len(points) > 1:
         raise MimaError(f"{folder}: {model} on {run} has test cells at several hyperparameter points")
-    by_task = {cell.task: cell for cell in cells}
-    order = [task for task in RunFolder(run).task_order() if task in by_task]  # the bootstraps draw in task order
-    return {task: (tuple(store.get(by_task[task])), store.correct_images(by_task[task])) for task in order}
+    tested = {cell.task for cell in cells}
+    order = [task for task in RunFolder(run).task_order() if task in tested]  # the bootstraps draw in task order
+    records = records_on_test(store, run_id, model, points.pop(), order)
+    if any(correct is None for _, correct in records.values()):
+        raise MimaError(f"{folder}: {model} on {run} has no per-image records (cells of an earlier mima); "
+                        "evaluate it again into a new folder")
+    return records
 
 
 def records_on_test(store: CellStore, run_id: str, model: str, point: str, tasks: list[str]) -> dict[str, TaskRecord]:
