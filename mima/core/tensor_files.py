@@ -87,7 +87,11 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
                     self.metadata: dict[str, str] = handle.metadata() or {}
                     order = list(handle.offset_keys())
                     self.infos: dict[str, TensorInfo] = {key: self._info(handle, key) for key in order}
-            except (SafetensorError, OSError) as error:
+            except (SafetensorError, OSError, RuntimeError) as error:
+                # RuntimeError: the library's size check ("smaller than the required mapping size")
+                # when the file is shorter than its header says, e.g. cut by another program just now
+                if self._has_changed():
+                    raise self._changed("the header") from None
                 raise self._refusal(error) from None
             self._offsets = self._read_offsets()
         except BaseException:
@@ -99,7 +103,8 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         reason = " ".join(str(error).split())
         # "not fully covered": the header promises data the file does not hold (or holds more than);
         # a file cut short, the common case, says so.
-        what = "truncated, or damaged" if "not fully covered" in reason else "not a safetensors file, or a damaged one"
+        cut_short = "not fully covered" in reason or "smaller than the required" in reason
+        what = "truncated, or damaged" if cut_short else "not a safetensors file, or a damaged one"
         return MimaError(f"{self.path}: {what} (safetensors: {reason})")
 
     def _info(self, handle, key: str) -> TensorInfo:
