@@ -105,7 +105,8 @@ def run_job(config: Path, out: Path, *extra: str, timeout: float = 600) -> subpr
     started, without the 5 s of importing torch, Lightning and open_clip again. A job of several
     processes (or with a fault that kills its process) gets processes of its own, in its own process
     group: the first a fork of tests/job_server.py (the same `mima.cli.main`, imports done), the others
-    started by Lightning as `python -m mima.__main__`. In an environment other than the session's it
+    started by Lightning as `sys.executable -m mima.__main__`, which in such a job is tests/rank_starter.py
+    standing in for a fork of the same imports. In an environment other than the session's it
     runs `python -m mima fit`. tests/test_cli_startup.py and the SLURM tests cover the command's own
     start-up."""
     argv = ["fit", "--config", str(config), "--out", str(out), *extra]
@@ -236,7 +237,9 @@ class JobServer:
             self.log.seek(0)
             raise RuntimeError(f"tests/job_server.py ended without the job's exit status (status {lines}); its log:\n"
                                + self.log.read().decode()[-3000:])
-        return subprocess.CompletedProcess(["mima", *argv], int(lines[3]), stdout, stderr)
+        completed = subprocess.CompletedProcess(["mima", *argv], int(lines[3]), stdout, stderr)
+        completed.pid = pid  # the job's first process: its process group's id (tests/test_job_server.py)
+        return completed
 
 
 JOB_SERVER = JobServer()
@@ -248,8 +251,15 @@ JOB_SERVER = JobServer()
 NOT_THE_JOB_S_CHOICE = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "JSONARGPARSE_DEPRECATION_WARNINGS")
 
 
+# The switches the tracker tests set: wandb (which the job server imports, through timm) reads its
+# variables when a run starts (wandb.env's getters take the environment then), and mlflow is not
+# imported by the server (it checks so), so a tracker test's jobs are served too.
+TRACKER_SWITCHES = ("WANDB_MODE", "WANDB_SILENT", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
 def _import_relevant(environment: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environment.items() if k not in NOT_THE_JOB_S_CHOICE}
+    return {k: v for k, v in environment.items() if k not in NOT_THE_JOB_S_CHOICE and k not in TRACKER_SWITCHES}
 
 
 def finals(out: Path, tasks: list[str]) -> dict[str, dict[str, torch.Tensor]]:
