@@ -25,9 +25,9 @@ What "cost" holds (cost.json):
                    (time.process_time) plus any child processes that ended during it (loader
                    workers; resource.getrusage RUSAGE_CHILDREN); measured
   wall_s           wall-clock seconds of the fit; measured
-  sync_bytes       bytes sent plus received at the syncs by the run's processes; measured as 0: the
-                   study's runs are single-process (W = 1), where the phase average is taken in
-                   memory and nothing crosses a process boundary
+  sync_bytes       bytes sent plus received at the syncs by the run's processes: 0 by construction,
+                   not a measurement: the study's runs are single-process (W = 1), where the phase
+                   average is taken in memory and nothing crosses a process boundary
   plan_sync_bytes  `mima plan`'s prediction for the run as trained (W = 1): 0
   plan_sync_bytes_federated  `mima plan`'s prediction at W = T (one process per task, the
                    federated view: each process sends its task's state and receives the others'
@@ -396,7 +396,7 @@ def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> 
                    for path in sorted(out.glob(f"T*/*/*/{EVALUATION_COST_FILE}"))}
     (out / "study.json").write_text(json.dumps({"grid": grid.name, "seeds": list(grid.seeds), "rows": rows,
                                                 "costs": costs, "evaluation_costs": evaluations}, indent=2) + "\n")
-    cost_lines = ["| T | budget | operator | run | CPU s (measured) | wall s | sync bytes (measured, W = 1) | "
+    cost_lines = ["| T | budget | operator | run | CPU s (measured) | wall s | sync bytes (W = 1: none cross processes) | "
                   "plan: sync bytes W = 1 | plan: sync bytes per process, W = T |",
                   "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for cost in costs:
