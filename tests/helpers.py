@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
@@ -241,6 +240,19 @@ class JobServer:
         completed.pid = pid  # the job's first process: its process group's id (tests/test_job_server.py)
         return completed
 
+
+
+def group_ended(pgid: int, within_s: float) -> bool:
+    """Whether every process of process group `pgid` has ended, waiting up to `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 JOB_SERVER = JobServer()
 

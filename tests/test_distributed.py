@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import open_clip
@@ -24,7 +22,7 @@ import yaml
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
 from mima.training.sync_merge import SyncMerge
-from tests.helpers import (FOUR, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical,
+from tests.helpers import (FOUR, group_ended, ITERATIONS, REFERENCE_RUNS, REPO, STEPS, TWO, assert_identical,
                            assert_killed_and_resumed_ends_as, assert_trained, finals, job_environment, logged_losses, run_job, tree, write_config)
 
 
@@ -192,18 +190,7 @@ def test_a_dead_process_fails_the_job_without_hanging(tmp_path, small_clip, dead
     # at the latest the survivor's collective times out (60 s) and it exits; a hung job runs past this
     job.communicate(timeout=240)
     assert job.returncode != 0
-    deadline = time.monotonic() + 60
-    while _group_alive(job.pid) and time.monotonic() < deadline:  # the other rank must go too
-        time.sleep(0.5)
-    assert not _group_alive(job.pid), "a process of the job is still running"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert group_ended(job.pid, within_s=60), "a process of the job is still running"  # the other rank must go too
 
 
 def _one_line_error(capsys, argv) -> str:

@@ -6,15 +6,13 @@ is not served."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.helpers import JOB_SERVER, REPO, assert_identical, finals, job_environment, write_config
+from tests.helpers import JOB_SERVER, REPO, assert_identical, finals, group_ended, job_environment, write_config
 
 TWO = ["rot90", "mirror"]
 
@@ -70,15 +68,4 @@ def test_a_rank_killed_by_a_signal_fails_the_served_job_and_leaves_no_process(tm
     # Lightning's observer in rank 0 saw its child (the starter) end with a non-zero status and killed
     # rank 0 with SIGKILL: without the starter's status, rank 0 would wait out its 60 s collective timeout
     assert done.returncode == -signal.SIGKILL, (done.returncode, done.stderr[-3000:])
-    deadline = time.monotonic() + 30
-    while _group_alive(done.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _group_alive(done.pid), "a process of the job (rank, starter or zygote) is still running"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert group_ended(done.pid, within_s=30), "a process of the job (rank, starter or zygote) is still running"
