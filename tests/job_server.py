@@ -9,7 +9,7 @@ dispositions, stdout and stderr on pipes the test reads to EOF like `subprocess.
 
 Lightning starts the other ranks as `sys.executable -m mima.__main__ ...`, as it does for a user's job.
 Before running anything, the job forks a zygote (in its process group, with no stdout or stderr of its
-own, ended with the job by PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each
+own, ignoring the signals a scheduler sends the whole group, ended with the job by PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each
 starter asks the zygote for a fork that becomes the rank (its stdin, stdout, stderr, environment,
 working folder and arguments), and stands for it towards Lightning. A two-process job paid about
 5 CPU-s of imports for its second rank; now a fork.
@@ -55,6 +55,10 @@ if "mlflow" in sys.modules:
     raise RuntimeError("tests/job_server.py imported mlflow: tests.helpers.TRACKER_SWITCHES must no longer hold its variables")
 
 MAX_FDS = 3
+# Signals a test or a scheduler may send to a job's whole process group, with a new interpreter's
+# dispositions (Python's KeyboardInterrupt for SIGINT)
+GROUP_SIGNALS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler, signal.SIGUSR1: signal.SIG_DFL,
+                 signal.SIGUSR2: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL, signal.SIGQUIT: signal.SIG_DFL}
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")  # where Lightning looks, in order
 ZYGOTE_VARIABLE, PYTHON_VARIABLE = "MIMA_TEST_ZYGOTE", "MIMA_TEST_PYTHON"  # as tests/rank_starter.py reads them
@@ -146,6 +150,8 @@ def _serve_ranks(listener: socket.socket, job_pid: int) -> dict:
     """The zygote: until the job's first process ends (it dies with it), fork one rank per starter that
     connects, and send the starter the rank's pid, then its exit status."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    for signum in GROUP_SIGNALS:  # one sent to the job's process group is the ranks' business, not the zygote's
+        signal.signal(signum, signal.SIG_IGN)
     if os.getppid() != job_pid:  # the job ended before the line above
         os._exit(0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -187,6 +193,8 @@ def _tell(connection: socket.socket, message: str) -> None:
 
 
 def _become_the_rank(connection: socket.socket, request: dict, fds: list[int]) -> None:
+    for signum, disposition in GROUP_SIGNALS.items():  # as a new interpreter has them
+        signal.signal(signum, disposition)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
