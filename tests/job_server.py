@@ -9,7 +9,7 @@ dispositions, stdout and stderr on pipes the test reads to EOF like `subprocess.
 
 Lightning starts the other ranks as `sys.executable -m mima.__main__ ...`, as it does for a user's job.
 Before running anything, the job forks a zygote (in its process group, with no stdout or stderr of its
-own, ignoring the signals a scheduler sends the whole group, ended with the job by PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each
+own, blocking the signals a scheduler sends the whole group, ended with the job by PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each
 starter asks the zygote for a fork that becomes the rank (its stdin, stdout, stderr, environment,
 working folder and arguments), and stands for it towards Lightning. A two-process job paid about
 5 CPU-s of imports for its second rank; now a fork.
@@ -55,10 +55,10 @@ if "mlflow" in sys.modules:
     raise RuntimeError("tests/job_server.py imported mlflow: tests.helpers.TRACKER_SWITCHES must no longer hold its variables")
 
 MAX_FDS = 3
-# Signals a test or a scheduler may send to a job's whole process group, with a new interpreter's
-# dispositions (Python's KeyboardInterrupt for SIGINT)
-GROUP_SIGNALS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler, signal.SIGUSR1: signal.SIG_DFL,
-                 signal.SIGUSR2: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL, signal.SIGQUIT: signal.SIG_DFL}
+# Signals a test or a scheduler may send to a job's whole process group. The zygote blocks them (they
+# are the ranks' business); a rank it forks inherits the mask and the job's dispositions, and unblocks
+# them once it is set up, so one sent meanwhile is delivered then, not lost.
+GROUP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT}
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")  # where Lightning looks, in order
 ZYGOTE_VARIABLE, PYTHON_VARIABLE = "MIMA_TEST_ZYGOTE", "MIMA_TEST_PYTHON"  # as tests/rank_starter.py reads them
@@ -150,8 +150,7 @@ def _serve_ranks(listener: socket.socket, job_pid: int) -> dict:
     """The zygote: until the job's first process ends (it dies with it), fork one rank per starter that
     connects, and send the starter the rank's pid, then its exit status."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    for signum in GROUP_SIGNALS:  # one sent to the job's process group is the ranks' business, not the zygote's
-        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
     if os.getppid() != job_pid:  # the job ended before the line above
         os._exit(0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -163,8 +162,9 @@ def _serve_ranks(listener: socket.socket, job_pid: int) -> dict:
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, MAX_FDS)
-            request = json.loads(message)
+            request, fds = _read_request(connection)
+            if request is None:  # a starter killed before it sent its request
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -185,6 +185,21 @@ def _serve_ranks(listener: socket.socket, job_pid: int) -> dict:
             connection.close()
 
 
+def _read_request(connection: socket.socket) -> tuple[dict | None, list[int]]:
+    fds: list[int] = []
+    try:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, MAX_FDS)
+        request = json.loads(message)
+        if len(fds) == MAX_FDS:
+            return request, fds
+    except (OSError, ValueError):
+        pass
+    for fd in fds:
+        os.close(fd)
+    connection.close()
+    return None, []
+
+
 def _tell(connection: socket.socket, message: str) -> None:
     try:
         connection.send(message.encode())
@@ -193,8 +208,6 @@ def _tell(connection: socket.socket, message: str) -> None:
 
 
 def _become_the_rank(connection: socket.socket, request: dict, fds: list[int]) -> None:
-    for signum, disposition in GROUP_SIGNALS.items():  # as a new interpreter has them
-        signal.signal(signum, disposition)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -208,11 +221,15 @@ def _become_the_rank(connection: socket.socket, request: dict, fds: list[int]) -
     rank = next((int(os.environ[key]) for key in RANK_VARIABLES if key in os.environ), 0)
     fabric_rank_zero_only.rank = utilities_rank_zero_only.rank = rank
     threading.Thread(target=_die_with_the_starter, args=(connection,), daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
 
 
 def _die_with_the_starter(connection: socket.socket) -> None:
     """The starter is this rank to Lightning: when it dies (its SIGKILL), so does the rank."""
-    while connection.recv(64):
+    try:
+        while connection.recv(64):
+            pass
+    except OSError:  # reset: the starter died before it read the zygote's message
         pass
     os.kill(os.getpid(), signal.SIGKILL)
 

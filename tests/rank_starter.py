@@ -35,7 +35,7 @@ FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 def main(args: list[str]) -> None:
     address = os.environ.get(ZYGOTE_VARIABLE)
     if not (address and len(args) >= 2 and args[0] == "-m" and args[1] in MODULES):
-        python = os.environ[PYTHON_VARIABLE]
+        python = os.environ.get(PYTHON_VARIABLE) or sys.executable  # the shebang's interpreter, the same
         os.execv(python, [python, *args])
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
