@@ -241,7 +241,6 @@ class JobServer:
         return completed
 
 
-
 def group_ended(pgid: int, within_s: float) -> bool:
     """Whether every process of process group `pgid` has ended, waiting up to `within_s` seconds."""
     deadline = time.monotonic() + within_s
@@ -253,6 +252,7 @@ def group_ended(pgid: int, within_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.5)
+
 
 JOB_SERVER = JobServer()
 
@@ -678,6 +678,15 @@ class KillDuringStateWrite(Callback):
             return original(path, job, done)
 
         checkpoint._write = write
+
+
+class RecordProcessCommand(Callback):
+    """Each rank writes its process's command line (/proc/self/cmdline, arguments joined by spaces) to
+    RUN/.command-RANK at the start of training: which program the rank's process is."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        arguments = Path("/proc/self/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        (Path(trainer.default_root_dir) / f".command-{trainer.global_rank}").write_bytes(b" ".join(arguments))
 
 
 class TouchStopAtStep(Callback):

@@ -8,11 +8,12 @@ process group (a test may SIGKILL the whole job), its own environment, working f
 dispositions, stdout and stderr on pipes the test reads to EOF like `subprocess.run` does.
 
 Lightning starts the other ranks as `sys.executable -m mima.__main__ ...`, as it does for a user's job.
-Before running anything, the job forks a zygote (in its process group, with no stdout or stderr of its
-own, blocking the signals a scheduler sends the whole group, ended with the job by PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each
-starter asks the zygote for a fork that becomes the rank (its stdin, stdout, stderr, environment,
-working folder and arguments), and stands for it towards Lightning. A two-process job paid about
-5 CPU-s of imports for its second rank; now a fork.
+Before running anything, the job forks a zygote (in its process group, with no stdout or stderr of
+its own, blocking the signals a scheduler sends the whole group, ended with the job by
+PR_SET_PDEATHSIG) and names tests/rank_starter.py as `sys.executable`: each starter asks the zygote
+for a fork that becomes the rank (its stdin, stdout, stderr, environment, working folder and
+arguments), and stands for it towards Lightning. A two-process job paid about 5 CPU-s of imports for
+its second rank; now a fork.
 
 This process never trains or computes, so no OpenMP pool exists when it forks. Its only other threads
 are the idle OpenBLAS pools that numpy and scipy start on import; OpenBLAS shuts them down before a

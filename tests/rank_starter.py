@@ -40,7 +40,8 @@ def main(args: list[str]) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect("\0" + address)
-    request = {"module": args[1], "argv": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}
+    # `-m mima` and `-m mima.__main__` both run mima/__main__.py: the arguments after the module suffice
+    request = {"argv": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
     parent, rank_pid, pending = os.getppid(), None, []
     while True:

@@ -41,7 +41,7 @@ def test_a_job_in_another_environment_is_not_served():
 
 @pytest.mark.slow
 def test_a_two_process_job_from_the_server_writes_what_new_interpreters_write(tmp_path, small_clip):
-    config = write_config(tmp_path / "two.yaml", small_clip, TWO, 2)
+    config = write_config(tmp_path / "two.yaml", small_clip, TWO, 2, [("RecordProcessCommand", {})])
     argv = ["fit", "--config", str(config), "--out", str(tmp_path / "served")]
     assert JOB_SERVER.serves(JOB_SERVER.environment)
     served = JOB_SERVER.run(argv, JOB_SERVER.environment, timeout=300)
@@ -51,9 +51,12 @@ def test_a_two_process_job_from_the_server_writes_what_new_interpreters_write(tm
                          timeout=300, env=job_environment(), start_new_session=True)
     assert new.returncode == 0, new.stderr[-3000:]
     assert_identical(finals(tmp_path / "served", TWO), finals(tmp_path / "new", TWO))
-    # each rank wrote its own task's log: rank 1 ran, from the zygote, as the second process
-    assert sorted(p.parent.name for p in (tmp_path / "served" / "logs").rglob("metrics.csv")) == \
-        sorted(p.parent.name for p in (tmp_path / "new" / "logs").rglob("metrics.csv"))
+    # which program each rank's process was: in the served job both are forks of the server (rank 1 the
+    # zygote's), in the other job new interpreters started as `python -m mima` and `-m mima.__main__`
+    commands = {run: [(tmp_path / run / f".command-{rank}").read_text() for rank in (0, 1)] for run in ("served", "new")}
+    assert all(command.endswith("-m tests.job_server " + command.split()[-1]) for command in commands["served"]), commands
+    assert commands["new"][0].split()[1:3] == ["-m", "mima"], commands
+    assert commands["new"][1].split()[1:3] == ["-m", "mima.__main__"], commands
 
 
 @pytest.mark.slow
