@@ -160,10 +160,10 @@ def _merge_files(models: list, method: str, base, output: Path, config, select_o
 def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequence[str] | None = None,
              select: bool = True, overwrite: bool = False, precision: str | None = None, val_examples: int | None = None,
              skip_unfinished: bool = False, merge_device: str | None = None,
-             num_workers: int | None = None) -> list[dict[str, Any]]:
+             num_workers: int | None = None, cache: str | None = None) -> list[dict[str, Any]]:
     """`mima evaluate RUNS --out OUT` in this process (one device): writes OUT's results files and cells,
     as the command does, and returns results.json's rows (`load_results(out)`). `merges`: the data-free
-    strategies compared (default: the command's); select=False is --no-select."""
+    strategies compared (default: the command's); select=False is --no-select; `cache`: --cache (auto, on, off)."""
     argv = [str(run) for run in ([runs] if isinstance(runs, (str, os.PathLike)) else runs)]
     argv += ["--out", str(out)]
     if merges is not None:
@@ -171,7 +171,7 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
     argv += [flag for flag, wanted in (("--no-select", not select), ("--overwrite", overwrite),
                                        ("--skip-unfinished", skip_unfinished)) if wanted]
     for flag, value in (("--precision", precision), ("--val-examples", val_examples), ("--merge-device", merge_device),
-                        ("--num-workers", num_workers)):
+                        ("--num-workers", num_workers), ("--cache", cache)):
         if value is not None:
             argv += [flag, str(value)]
     from mima.commands.evaluate import main

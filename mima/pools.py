@@ -31,6 +31,8 @@ from mima.core.subsets import first_examples
 from mima.data.listing import listing_changes
 from mima.data.tasks import TaskData
 from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
+from mima.evaluation.cache_use import CacheUse
+from mima.evaluation.cached_batches import cached_eval_splits
 from mima.evaluation.loader_pool import LoaderPool
 from mima.merging.engine import expand_models
 from mima.models.classifier import classify
@@ -95,8 +97,11 @@ def fixed_subset(dataset: Dataset, examples: int) -> Dataset:
     return Subset(dataset, sorted(order[:examples].tolist()))
 
 
-def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> TaskPool:
-    """The TaskPool of a run: a `mima fit` config file, a run folder, a config dict or a RunConfig."""
+def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder,
+              eval_cache: CacheUse = CacheUse.OFF) -> TaskPool:
+    """The TaskPool of a run: a `mima fit` config file, a run folder, a config dict or a RunConfig;
+    with `eval_cache` (`mima evaluate --cache`), its validation and test splits from the decoded-image
+    cache (mima.evaluation.cached_batches.cached_eval_splits)."""
     config = source if isinstance(source, RunConfig) else load_run_config(source)
     model = config.model
     cache = cache_dir_or_default(model.cache_dir)
@@ -106,6 +111,7 @@ def task_pool(source: str | os.PathLike | Mapping | RunConfig | RunFolder) -> Ta
     splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
     train_sets = {name: split.train for name, split in splits.items()}
     heads = task_heads(loaded, model.heads, data.task_specs, train_sets, cache, data.data_key, model.probe_shots)
+    splits = cached_eval_splits(data, splits, loaded.image_size, loaded.preprocess, eval_cache)
     loaded.encoder.eval()
     return TaskPool(loaded.encoder, list(data.task_names), heads, splits, seed=int(config.data.seed), config=config)
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
+from torch.profiler import ProfilerActivity, profile
 
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict
+from mima.training.divergence import nonfinite_key
 from tests.helpers import TWO, assert_identical, finals, run_job, write_config
 
 MARK = "__mima_file__"  # a state's reference to a file, spelled independently of mima.training.checkpoint_format
@@ -179,3 +182,40 @@ def test_a_checkpoint_made_non_finite_is_refused_on_resume(tmp_path, small_clip,
     assert len(err) == 1, err
     assert f"{state_file} holds non-finite values (state_dict.{key})" in err[0] and "cannot resume" in err[0], err[0]
     assert state_file.read_bytes() == before and not (out / "final").exists()
+
+
+# ------------------------------------------------------------------ the finiteness check itself
+def _state(count: int = 60) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(8, 4, generator=generator) for i in range(count)}
+
+
+def _operators(check) -> Counter:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        check()
+    return Counter(event.name for event in profiler.events() if event.name.startswith("aten::"))
+
+
+def test_a_finite_state_is_checked_by_one_norm_without_a_tensor_by_tensor_search():
+    state = _state()
+    operators = _operators(lambda: nonfinite_key(state))
+    assert nonfinite_key(state) is None
+    # the one total norm's check, not one per tensor (the search's isfinite and all per tensor). The
+    # norms themselves: one grouped (foreach) kernel per dtype on CUDA; torch has no grouped CPU kernel
+    assert operators["aten::isfinite"] == 1 and operators["aten::all"] <= 1, operators
+
+
+def test_a_nan_or_inf_is_found_by_name_and_the_first_one_is_named():
+    for value in (float("nan"), float("inf"), -float("inf")):
+        state = _state()
+        state["layer41.weight"][2, 1] = value
+        state["layer7.weight"][0, 0] = value
+        assert nonfinite_key(state) == "layer7.weight", value
+        assert nonfinite_key({"state": {3: {"exp_avg": state["layer7.weight"]}}}) == "state.3.exp_avg"
+
+
+def test_finite_values_whose_norm_overflows_are_finite():
+    state = _state()
+    state["layer3.weight"].fill_(3e38)  # float32's largest is 3.4e38: the squares overflow to inf
+    assert not torch.isfinite(torch.nn.utils.get_total_norm(list(state.values())))
+    assert nonfinite_key(state) is None

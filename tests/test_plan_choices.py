@@ -18,7 +18,8 @@ from mima.training.determinism import deterministic_refusal, prepare_determinist
 from mima.training.plan_choices import (
     ASSUMED_UTILISATION,
     MEMORY_MARGIN,
-    STEP_OVERHEAD_S,
+    COMPILE_S,
+    COMPILED_STEP_OVERHEAD_S,
     WRITE_BYTES_PER_S,
     peak_bf16_tflops,
     time_saves,
@@ -77,9 +78,12 @@ def test_plan_json_names_the_schedule_checkpointing_and_signal_lead(capfd, confi
     timing = plan["timing"]
     assert timing["flops_per_step"] == pytest.approx(3 * 128 * flops, rel=1e-3)
     assert timing["peak_tflops"] == peak_bf16_tflops("A100")  # no GPU here: the assumed one
-    assert timing["step_s"] == pytest.approx(STEP_OVERHEAD_S + 3 * 128 * flops / (312e12 * ASSUMED_UTILISATION), rel=1e-3)
+    # on a GPU model.compile "auto" compiles: the compiled step's overhead, and the compile time once
+    assert choices["compile"] == {"value": True, "chosen": True, "reason": choices["compile"]["reason"]}
+    assert timing["step_s"] == pytest.approx(COMPILED_STEP_OVERHEAD_S + 3 * 128 * flops / (312e12 * ASSUMED_UTILISATION),
+                                             rel=1e-3)
     slowest = max(sum(1 for _ in owned) for owned in plan["tasks_per_process"]) * 2000
-    assert timing["run_s"] == pytest.approx(slowest * timing["step_s"], rel=1e-6)
+    assert timing["run_s"] == pytest.approx(slowest * timing["step_s"] + COMPILE_S, rel=1e-6)
     # the time schedule's saves follow that run time; the signal lead what a stop writes
     assert plan["checkpoint_files"]["averages"] == time_saves(tuple(timing["phase_s"]), 1800.0)
     save, lead = expected_lead(plan)

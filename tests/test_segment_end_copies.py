@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,9 +52,12 @@ class SegmentEndProbe(Callback):
         self.path = path
         self.records: list[dict] = []
         self.loads = 0
+        self.host = None  # the sync callback's host buffers
+        self.allocations: dict[str, int] = {}  # host buffer tensors allocated: before the first step, at the end
 
     def on_train_start(self, trainer, pl_module) -> None:
         sync = next(callback for callback in trainer.callbacks if isinstance(callback, MimaSyncCallback))
+        self.host = sync.phases.host
         optimizer = trainer.optimizers[0]
         load = optimizer.load_state_dict
 
@@ -65,8 +69,13 @@ class SegmentEndProbe(Callback):
         for name in PATH_STEPS:
             setattr(sync, name, self._profiled(name, getattr(sync, name), trainer, pl_module))
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.allocations.setdefault("first_step", self.host.allocations)
+
     def on_train_end(self, trainer, pl_module) -> None:
-        Path(self.path).write_text(json.dumps(self.records))
+        self.allocations["end"] = self.host.allocations
+        self.allocations["parameters"] = len(list(pl_module.encoder.parameters()))
+        Path(self.path).write_text(json.dumps({"records": self.records, "allocations": self.allocations}))
 
     def _profiled(self, name: str, method, trainer, pl_module):
         def run(*args, **kwargs):
@@ -91,35 +100,34 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[int]:
     return [id(value) for moments in optimizer.state.values() for value in moments.values() if torch.is_tensor(value)]
 
 
-def probed_fit(folder: Path, clip: str, tasks: list[str], steps: int, iterations: int) -> tuple[Path, list[dict]]:
+def probed_fit(folder: Path, clip: str, tasks: list[str], steps: int, iterations: int) -> tuple[Path, list[dict], dict]:
     """A one-process `mima fit` (optimizer_state: keep, checkpoints at every segment end) with the probe."""
     records_file = folder / "records.json"
     config = fit_config(folder / "run", clip, tasks, steps=steps, iterations=iterations)
     config["trainer"]["callbacks"] = [{"class_path": "tests.test_segment_end_copies.SegmentEndProbe",
                                        "init_args": {"path": str(records_file)}}]
     run_dir = run_fit(config).run_dir
-    return run_dir, json.loads(records_file.read_text())
+    probed = json.loads(records_file.read_text())
+    return run_dir, probed["records"], probed["allocations"]
 
 
-def encoder_bytes(run_dir: Path) -> int:
-    weights = load_state_dict(run_dir / "pretrained.safetensors")
-    return sum(value.numel() * value.element_size() for value in weights.values())
-
-
-def test_segment_ends_after_the_first_phase_allocate_no_host_memory(tmp_path, small_clip):
+def test_host_buffers_are_reserved_before_the_first_step_and_no_segment_end_allocates(tmp_path, small_clip):
     # two tasks on one process: slot 0's segment end is not a phase end, and the optimiser moves
     # from one task's moments to the other's at every segment start
-    run_dir, records = probed_fit(tmp_path, small_clip, ["rot90", "mirror"], steps=8, iterations=4)
+    run_dir, records, allocations = probed_fit(tmp_path, small_clip, ["rot90", "mirror"], steps=8, iterations=4)
     ends = [r for r in records if r["step"] == "_end_segment"]
     prepares = [r for r in records if r["step"] == "_prepare_optimizer"]
     assert [(r["phase"], r["slot"]) for r in ends] == [(p, s) for p in range(4) for s in range(2)]
     assert len(prepares) == 8
-    # the probe sees the copies: the first phase allocates the buffers (each task's end weights at least)
-    assert sum(r["host_bytes"] for r in ends if r["phase"] == 0) >= 2 * encoder_bytes(run_dir), ends[:2]
-    # Later phases reuse them. The last phase is left out: it writes final/<task>.safetensors, whose
-    # writer (mima.core.safetensors_io) takes a copy of its own.
-    middle = [r for r in records if 0 < r["phase"] < 3]
-    assert len(middle) == 8 and all(r["host_bytes"] == 0 for r in middle), middle
+    # before the first step: per task slot, one buffer entry per encoder tensor (its end weights) and
+    # AdamW's step, exp_avg and exp_avg_sq per parameter (its kept moments); none allocated after it
+    keys = len(load_state_dict(run_dir / "pretrained.safetensors"))
+    assert allocations["first_step"] == 2 * (keys + 3 * allocations["parameters"]), allocations
+    assert allocations["end"] == allocations["first_step"], allocations
+    # every segment end, the first phase's and the last's too, copies into them on the training
+    # thread without allocating host memory (the last phase's final files are written by the
+    # background writer, whose copy is not on this thread)
+    assert all(r["host_bytes"] == 0 for r in ends), ends
     # the other task's moments go into the optimiser's own tensors, not through load_state_dict
     assert all(r["loads"] == 0 for r in records if r["phase"] > 0), records
     # (the first segment end leaves the next task fresh moments, the last sync none: both clear the state)
@@ -128,7 +136,7 @@ def test_segment_ends_after_the_first_phase_allocate_no_host_memory(tmp_path, sm
 
 def test_a_one_task_process_keeps_its_moments_in_the_optimiser(tmp_path, small_clip):
     steps, iterations = 8, 4
-    run_dir, records = probed_fit(tmp_path / "phases", small_clip, ["rot90"], steps=steps, iterations=iterations)
+    run_dir, records, _ = probed_fit(tmp_path / "phases", small_clip, ["rot90"], steps=steps, iterations=iterations)
     prepares = [r for r in records if r["step"] == "_prepare_optimizer"]
     assert [r["phase"] for r in prepares] == list(range(iterations))
     # between its segments nothing is loaded, copied or even looked at by a tensor operator; after the
@@ -272,3 +280,31 @@ def test_copies_from_a_gpu_go_into_reused_page_locked_memory():
     assert {key: value.data_ptr() for key, value in again.items()} == pointers and host.allocations == len(state)
     for key, value in state.items():
         assert torch.equal(again[key], value.cpu())
+
+
+def test_final_models_are_written_by_the_background_writer_and_on_disk_when_the_fit_returns(tmp_path, small_clip,
+                                                                                            monkeypatch):
+    """The last phase's segment ends queue final/<task>.safetensors on the process's background writer
+    (the one its checkpoints use, saving here at every segment end): the training thread does not
+    serialise or fsync them, the fit returns once they are on disk, and the checkpoint that refers to
+    a final file does not write one of its own (which would lack the metadata)."""
+    from mima.core.run_folder import RunFolder
+
+    writes: list[tuple[str, str]] = []  # (task, thread name)
+    write_final = RunFolder.write_final
+
+    def recorded(self, task, weights, metadata):  # the real method, called through
+        writes.append((task, threading.current_thread().name))
+        write_final(self, task, weights, metadata)
+
+    monkeypatch.setattr(RunFolder, "write_final", recorded)
+    tasks = ["rot90", "mirror"]
+    run_dir = run_fit(fit_config(tmp_path / "run", small_clip, tasks, steps=4, iterations=2)).run_dir
+    assert sorted(task for task, _ in writes) == sorted(tasks)
+    assert all(thread == "mima-checkpoint-writer" for _, thread in writes), writes
+    assert threading.main_thread().name not in {thread for _, thread in writes}
+    for task in tasks:
+        with safe_open(str(run_dir / "final" / f"{task}.safetensors"), framework="pt") as handle:
+            metadata = json.loads(handle.metadata()["mima"])
+        assert metadata["task"] == task and metadata["N"] == 2
+        assert json.loads((run_dir / "final" / f"{task}.json").read_text())["task"] == task

@@ -41,6 +41,9 @@ HARMLESS = frozenset({
 ADDED_LATER = {
     "model.quick_gelu": "auto",  # the activation as a tag says; a weight file was refused or now says it
     "model.proximal_mu": 0.0,  # no proximal term: MIMA's loss
+    # "auto" is eager on the CPU, as every run before the option was; a GPU run written before it (eager)
+    # and resumed with "auto" compiles from the resume on: say --model.compile false to keep it eager
+    "model.compile": "auto",
 }
 # Keys that may change only where the layout check passes (the same number of processes, for now).
 LAYOUT = frozenset({"trainer.devices", "trainer.num_nodes"})

@@ -14,7 +14,8 @@ pace. With `data.cache: true` (or `mima data cache --config FILE` beforehand):
   train   batches are read by index (no decoding) and moved to the device as uint8, where the
           training augmentation and the normalisation run on the whole batch: mima.data.cache_augment.
   eval    validation, test, linear probes and every analysis read the same files (centre-cropped
-          images, normalised when read: `CachedSplit`).
+          images, normalised when read: `CachedSplit`); `mima evaluate --cache on` reads them in
+          whole batches and normalises them on the device (mima.evaluation.cached_batches).
 
 The evaluation path gives open_clip's tensors: ToTensor is x / 255 in float32 and Normalize is
 (x - mean) / std, the same float operations in the same order, so on the CPU the tensors are equal
@@ -50,6 +51,16 @@ SPLITS = ("train", "val", "test")
 BUILD_BATCH = 64
 
 
+class NotCacheable(MimaError):
+    """What the cache cannot hold (a model transform it cannot cut at ToTensor, a task built from
+    tensors, a dataset it cannot fingerprint); `reason` says why, without the option's name, so that
+    `mima evaluate --cache` can name its own option, and `auto` can leave such a task on its own path."""
+
+    def __init__(self, reason: str, advice: str = "leave data.cache false") -> None:
+        super().__init__(f"data.cache: {reason}; {advice}")
+        self.reason = reason
+
+
 # ---------------------------------------------------------------------------- transforms
 @dataclass(frozen=True)
 class EvalGeometry:
@@ -66,7 +77,7 @@ def transform_steps(preprocess: Callable, what: str) -> list:
     """The steps of a torchvision Compose (the model's `what` transform: evaluation or training)."""
     steps = getattr(preprocess, "transforms", None)
     if steps is None:
-        raise MimaError(f"data.cache: the model's {what} transform is not a torchvision Compose ({preprocess!r}); leave data.cache false")
+        raise NotCacheable(f"the model's {what} transform is not a torchvision Compose ({preprocess!r})")
     return list(steps)
 
 
@@ -76,7 +87,7 @@ def split_at_to_tensor(steps: list, what: str) -> tuple[list, list]:
 
     cut = next((i for i, step in enumerate(steps) if isinstance(step, ToTensor)), None)
     if cut is None:
-        raise MimaError(f"data.cache: the model's {what} transform has no ToTensor step; leave data.cache false")
+        raise NotCacheable(f"the model's {what} transform has no ToTensor step")
     return steps[:cut], steps[cut + 1:]
 
 
@@ -86,8 +97,8 @@ def _normalisation(after: list, what: str) -> tuple[tuple[float, ...], tuple[flo
     if not after:
         return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
     if len(after) != 1 or not isinstance(after[0], Normalize):
-        raise MimaError(f"data.cache: the model's {what} transform has steps after ToTensor other than one Normalize "
-                        f"({', '.join(type(step).__name__ for step in after)}); leave data.cache false")
+        raise NotCacheable(f"the model's {what} transform has steps after ToTensor other than one Normalize "
+                           f"({', '.join(type(step).__name__ for step in after)})")
     mean, std = after[0].mean, after[0].std
     return tuple(float(v) for v in mean), tuple(float(v) for v in std)
 
@@ -193,7 +204,7 @@ def source_fingerprint(dataset: Dataset, digest=None) -> str:
         _hash_files(digest, files_below(dataset_folder(dataset)))
         digest.update(f"{type(dataset).__name__}|{getattr(dataset, 'split', '')}|{getattr(dataset, 'train', '')}".encode())
     else:
-        raise MimaError(f"data.cache: cannot fingerprint a {type(dataset).__name__} dataset; leave data.cache false")
+        raise NotCacheable(f"cannot fingerprint a {type(dataset).__name__} dataset")
     return digest.hexdigest()
 
 
@@ -308,8 +319,8 @@ def load_cached_task(
                                    preprocess=eval_loader, download=options.download, preprocess_train=train_loader))
     probe, _ = loaded.train[0]  # in this process: tells whether the loader applies its training transform
     if not isinstance(probe, torch.Tensor) or probe.dtype != torch.uint8:
-        raise MimaError(f"data.cache: task '{spec.name}' is built from tensors, not images (it ignores the model's "
-                        "transform); leave data.cache false for this suite")
+        raise NotCacheable(f"task '{spec.name}' is built from tensors, not images (it ignores the model's transform)",
+                           "leave data.cache false for this suite")
     augment = train_loader.calls > 0
     key = _cache_key({"task": spec.name, **identity, "split_seed": options.split_seed, "geometry": geometry.description})
     folder = Path(cache_dir) / f"{spec.name}-{key[:16]}"

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from mima.core.layout import TaskLayout
@@ -105,6 +107,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self.cache_progress = True  # the cache build's tqdm bar
         self._setup: TrainingSetup | None = None
         self._process: ProcessTasks | None = None
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # per GPU, made at its first batch
 
     def data_listing(self) -> dict[str, dict]:
         """{task: {split: fingerprint}} of the run's tasks read from folders (mima.data.listing)."""
@@ -143,6 +146,23 @@ class TaskSuiteDataModule(L.LightningDataModule):
             prepare_batch=self._batch_preparer(setup) if self.hparams.cache else None,
         )
         return self._process
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """Lightning's copy of a batch to the device; on a GPU, issued on a stream of its own, so that
+        the copy of step g's (pinned) batch runs beside step g-1's kernels instead of queueing behind
+        them; the compute stream waits for the copy only where its next kernel reads the batch."""
+        if device.type != "cuda":
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        compute, copy = torch.cuda.current_stream(device), self._copy_streams[device]
+        with torch.cuda.stream(copy):
+            moved = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        compute.wait_stream(copy)
+        # the copies' memory belongs to the copy stream: the caching allocator must not hand it out
+        # again before the compute stream is done with the batch
+        apply_to_collection(moved, torch.Tensor, lambda tensor: tensor.record_stream(compute) if tensor.is_cuda else None)
+        return moved
 
     def _batch_preparer(self, setup: TrainingSetup) -> BatchPreparer:
         """The device-side half of the cached path (checks the model's transforms now, before training)."""

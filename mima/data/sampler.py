@@ -42,25 +42,36 @@ class TaskStream:
         return self._order
 
     def batch(self, task_step: int, batch_size: int) -> list[int]:
-        start = task_step * batch_size
-        indices = []
-        for position in range(start, start + batch_size):
-            epoch, offset = divmod(position, self.size)
-            indices.append(int(self._permutation(epoch)[offset]))
-        return indices
+        """The example indices at stream positions [s B, (s + 1) B): slices of each epoch's permutation."""
+        start, end = task_step * batch_size, (task_step + 1) * batch_size
+        parts = []
+        while start < end:
+            epoch, offset = divmod(start, self.size)
+            take = min(end - start, self.size - offset)  # the rest of this epoch, or of the batch
+            parts.append(self._permutation(epoch)[offset : offset + take])
+            start += take
+        return torch.cat(parts).tolist()
 
 
-def draw_seed(seed: int, task: str, task_step: int, position: int) -> int:
-    """The seed of example `position` of task `task`'s batch at per-task step `task_step`: what the
-    random crop of that example is drawn from (on the cached path and the per-image path). It depends on neither the process nor
-    the shard nor the worker, so augmented batches are the same at any W and after a resume."""
-    digest = hashlib.sha256(f"mima/{seed}/{task}/draw/{task_step}/{position}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def draw_seeds(seed: int, task: str, task_step: int, positions: Sequence[int]) -> list[int]:
+    """The seeds of examples `positions` of task `task`'s batch at per-task step `task_step`: what the
+    random crop of each example is drawn from (on the cached path and the per-image path). They
+    depend on neither the process nor the shard nor the worker, so augmented batches are the same at
+    any W and after a resume. Seed = the first 8 bytes (little-endian, 63 bits) of
+    sha256("mima/{seed}/{task}/draw/{task_step}/{position}"); the step's prefix is hashed once and
+    each position's digest continues a copy of it (the same digest: sha256 reads its input in order)."""
+    prefix = hashlib.sha256(f"mima/{seed}/{task}/draw/{task_step}/".encode())
+    heads = []
+    for position in positions:
+        digest = prefix.copy()
+        digest.update(str(position).encode())
+        heads.append(digest.digest()[:8])
+    return (np.frombuffer(b"".join(heads), dtype="<u8") & np.uint64((1 << 63) - 1)).tolist()
 
 
 def with_draws(pairs: list[tuple[int, int]], seed: int, task: str, task_step: int, positions: range) -> list[tuple[int, int, int]]:
     """(slot, example) pairs of a step's batch -> (slot, example, draw seed) triples."""
-    return [(slot, example, draw_seed(seed, task, task_step, position)) for (slot, example), position in zip(pairs, positions)]
+    return [(slot, example, draw) for (slot, example), draw in zip(pairs, draw_seeds(seed, task, task_step, positions))]
 
 
 @contextlib.contextmanager

@@ -17,12 +17,18 @@ its LoaderPool (mima.evaluation.loader_pool; a TaskPool's evaluators share the p
 has at most `num_workers` of them alive, however many tasks and splits it evaluates. Each worker
 prepares at most `prefetch_factor` batches ahead, so at most num_workers x prefetch_factor batches
 are in flight (pinned, on a GPU) at any time.
+
+With the decoded-image cache (`EvalSettings.cache`, `mima evaluate --cache`: mima.evaluation.cache_use)
+a cached split is read in whole uint8 batches and normalised on the device
+(mima.evaluation.cached_batches), several models are evaluated on each batch read
+(`TaskEvaluator.records_of_models`), and on CUDA the encoder is compiled for inference
+(`inference_forward`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mima.core.errors import MimaError
+from mima.evaluation.cache_use import CacheUse
+from mima.evaluation.cached_batches import CachedBatches, cached_rows
 from mima.evaluation.loader_pool import LoaderPool
 from mima.models.classifier import classify
 
@@ -52,6 +60,8 @@ class EvalSettings:
     num_workers: DataLoader worker processes, shared by every pass of a LoaderPool (0: load in this process).
     pin_memory: page-locked host batches, copied to the device without blocking (CUDA only).
     prefetch_factor: batches each worker prepares ahead (bounds the batches in flight).
+    cache: whether cached splits are read in whole batches made on the device, with several models
+        per batch and (CUDA) a compiled encoder (mima.evaluation.cache_use; OFF: item by item).
     """
 
     precision: str = "32-true"
@@ -59,6 +69,7 @@ class EvalSettings:
     num_workers: int = 0
     pin_memory: bool = False
     prefetch_factor: int = 2
+    cache: CacheUse = CacheUse.OFF
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -85,15 +96,29 @@ def accuracy_of(correct: int, total: int) -> float:
     return float(torch.tensor(correct, dtype=torch.float32) / torch.tensor(total, dtype=torch.float32))
 
 
-@torch.no_grad()
 def correct_images(encoder: nn.Module, head: torch.Tensor, loader: Iterable, precision: str = "32-true",
                    should_stop: Callable[[], bool] | None = None) -> np.ndarray:
     """Which images of `loader`'s (images, labels) batches the encoder with `head` classifies
     correctly, in the loader's order (a boolean array, one entry per image); the per-batch results
     stay on the device until the end (one host synchronisation per call)."""
+    return models_correct_images(encoder, head, loader, None, precision, should_stop)[0]
+
+
+@torch.no_grad()
+def models_correct_images(encoder: nn.Module, head: torch.Tensor, loader: Iterable,
+                          models: Sequence[Mapping[str, torch.Tensor]] | None, precision: str = "32-true",
+                          should_stop: Callable[[], bool] | None = None,
+                          forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[np.ndarray]:
+    """`correct_images` of each state dict of `models` (None: the encoder's weights as they are),
+    each batch of `loader` read once and every model evaluated on it: a single model is loaded once;
+    with several, each one's tensors are copied into the encoder's before its forward pass on the
+    batch (the encoder ends holding the last one's). `forward` (default: the encoder) is what runs
+    the encoder's weights, e.g. its compiled form (`inference_forward`)."""
     device = next(encoder.parameters()).device
     head = head.to(device)
-    found: list[torch.Tensor] = []
+    forward = forward if forward is not None else encoder
+    targets, sources = _weight_copies(encoder, models, device)
+    found: list[list[torch.Tensor]] = [[] for _ in range(1 if models is None else len(models))]
     was_training = encoder.training
     encoder.eval()
     autocast = (torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
@@ -103,18 +128,61 @@ def correct_images(encoder: nn.Module, head: torch.Tensor, loader: Iterable, pre
         for images, labels in batches:
             if should_stop is not None and should_stop():
                 raise EvaluationStopped()
-            with autocast:
-                features = encoder(images.to(device, non_blocking=True))
-            # the encoder in the chosen precision, the zero-shot head in float32: class logits of a
-            # CLIP head lie close together, and a bfloat16 product (8-bit mantissa) flips near-ties
-            logits = classify(nn.Identity(), head, features.float())
-            found.append(logits.argmax(dim=1) == labels.to(device, non_blocking=True))
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            for index, record in enumerate(found):
+                if sources is not None:
+                    for target, source in zip(targets, sources[index]):
+                        target.copy_(source)
+                with autocast:
+                    features = forward(images)
+                # the encoder in the chosen precision, the zero-shot head in float32: class logits of a
+                # CLIP head lie close together, and a bfloat16 product (8-bit mantissa) flips near-ties
+                logits = classify(nn.Identity(), head, features.float())
+                record.append(logits.argmax(dim=1) == labels)
     finally:
         encoder.train(was_training)
         # dropped now, not when a traceback holding this frame is collected: a loader's own workers
         # (not persistent) end with their iterator, and a LoaderPool's next pass may start others
         del batches
-    return torch.cat(found).cpu().numpy() if found else np.zeros(0, dtype=bool)
+    return [torch.cat(record).cpu().numpy() if record else np.zeros(0, dtype=bool) for record in found]
+
+
+def _weight_copies(encoder: nn.Module, models: Sequence[Mapping[str, torch.Tensor]] | None,
+                   device: torch.device) -> tuple[list[torch.Tensor], list[list[torch.Tensor]] | None]:
+    """The encoder's tensors and, when several models take turns on each batch, each model's
+    tensors in the same order, on the device (copied there once, not once per batch). Every model is
+    loaded strictly once first: one that does not fit the encoder exactly fails here, before any batch."""
+    for model in models or ():
+        encoder.load_state_dict(model, strict=True)
+    if models is None or len(models) < 2:
+        return [], None
+    targets = encoder.state_dict(keep_vars=True)
+    return list(targets.values()), [[model[name].to(device) for name in targets] for model in models]
+
+
+class PaddedForward:
+    """The encoder compiled for inference (torch.compile, one static shape): every batch is padded to
+    `batch_size` rows, so that a pass's shorter last batch reuses the compiled graph instead of
+    compiling another, and only the real rows' features are returned."""
+
+    def __init__(self, encoder: nn.Module, batch_size: int) -> None:
+        self.compiled = torch.compile(encoder, dynamic=False)
+        self.batch_size = batch_size
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        count = images.shape[0]
+        if count >= self.batch_size:
+            return self.compiled(images)
+        padding = images.new_zeros((self.batch_size - count, *images.shape[1:]))
+        return self.compiled(torch.cat([images, padding]))[:count]
+
+
+def inference_forward(encoder: nn.Module, settings: EvalSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What runs the encoder in an evaluation: compiled where the cache path runs on a CUDA device (the
+    forward passes are then the evaluation's pace), the module itself elsewhere (never compiled on the
+    CPU: compiling there takes longer than a whole CPU evaluation)."""
+    on_cuda = next(encoder.parameters()).device.type == "cuda"
+    return PaddedForward(encoder, settings.batch_size) if on_cuda and settings.cache != CacheUse.OFF else encoder
 
 
 def counts_of(correct: np.ndarray) -> Counts:
@@ -135,7 +203,8 @@ def task_accuracy(encoder: nn.Module, head: torch.Tensor, loader: DataLoader, pr
 
 class TaskEvaluator:
     """Holds one working encoder, the tasks' heads and datasets; evaluates any encoder state dict,
-    one task at a time, through `loaders` (shared with other evaluators, or its own)."""
+    one task at a time, through `loaders` (shared with other evaluators, or its own), or, with the
+    cache path on (`settings.cache`), a cached split's whole batches made on the device."""
 
     def __init__(
         self,
@@ -151,14 +220,29 @@ class TaskEvaluator:
         self.settings = settings if settings is not None else EvalSettings(batch_size=batch_size)
         self.datasets = dict(datasets)
         self.loaders = loaders if loaders is not None else LoaderPool()
+        self._forward: Callable[[torch.Tensor], torch.Tensor] | None = None  # made at the first pass
         if self.settings.num_workers > 0:
-            self.loaders.know(self.datasets.values())  # the workers start once for all of them
+            # the workers start once for all of them (the cached splits the cache path reads need none)
+            self.loaders.know([dataset for name, dataset in self.datasets.items() if self._cached(name) is None])
+
+    def _cached(self, name: str):
+        """Task `name`'s cached split and indices, where the cache path reads it; else None."""
+        return cached_rows(self.datasets[name]) if self.settings.cache != CacheUse.OFF else None
 
     def loader(self, name: str) -> Iterable:
-        """One pass over task `name`'s batches; pinned when the settings say so or the encoder is
-        on a CUDA device."""
-        pin = self.settings.pin_memory or next(self.encoder.parameters()).device.type == "cuda"
+        """One pass over task `name`'s batches: made on the device from the cache (see `_cached`), or
+        from the loader pool, pinned when the settings say so or the encoder is on a CUDA device."""
+        device = next(self.encoder.parameters()).device
+        cached = self._cached(name)
+        if cached is not None:
+            return CachedBatches(*cached, self.settings.batch_size, device)
+        pin = self.settings.pin_memory or device.type == "cuda"
         return self.loaders.one_pass(self.datasets[name], replace(self.settings, pin_memory=pin))
+
+    def forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self._forward is None:
+            self._forward = inference_forward(self.encoder, self.settings)
+        return self._forward
 
     def load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load weights strictly: a merged state dict must fit the encoder exactly."""
@@ -169,13 +253,23 @@ class TaskEvaluator:
                 should_stop: Callable[[], bool] | None = None) -> dict[str, np.ndarray]:
         """Per task, which of its images (in the dataset's order) are classified correctly; `on_task`
         hears each task's record as soon as it is known."""
-        self.load(state_dict)
+        hear = None if on_task is None else (lambda _, name, correct: on_task(name, correct))
+        return {name: correct[0] for name, correct in
+                self.records_of_models([state_dict], tasks, hear, should_stop).items()}
+
+    def records_of_models(self, state_dicts: Sequence[Mapping[str, torch.Tensor]], tasks: list[str] | None = None,
+                          on_record: Callable[[int, str, np.ndarray], None] | None = None,
+                          should_stop: Callable[[], bool] | None = None) -> dict[str, list[np.ndarray]]:
+        """Per task, each state dict's record (as `records`), every model evaluated on each batch read
+        (one pass over a task's split for all of them); `on_record(model index, task, record)` hears
+        each as soon as its task's pass ends."""
         found = {}
         for name in tasks if tasks is not None else list(self.datasets):
-            found[name] = correct_images(self.encoder, self.heads[name], self.loader(name), self.settings.precision,
-                                         should_stop)
-            if on_task is not None:
-                on_task(name, found[name])
+            found[name] = models_correct_images(self.encoder, self.heads[name], self.loader(name), state_dicts,
+                                                self.settings.precision, should_stop, self.forward())
+            for index, correct in enumerate(found[name]):
+                if on_record is not None:
+                    on_record(index, name, correct)
         return found
 
     def counts(self, state_dict: Mapping[str, torch.Tensor], tasks: list[str] | None = None,

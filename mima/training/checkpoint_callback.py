@@ -112,15 +112,20 @@ class MimaCheckpoint(Checkpoint):
             (mima.training.resume.RunStart: filled by `mima fit` before training starts).
         every: when to save: a SaveSchedule or a --checkpoint_every value (see the module docstring).
         keep: keep the checkpoints folder after the run has finished.
+        writer: the process's background writer (`mima fit` passes the one that also writes the
+            final task models, mima.training.sync); default: one of this callback's own. Closed at
+            the end of training either way: this callback's on_train_end runs after the sync's.
     """
 
     def __init__(self, phase_state: PhaseState, stop: StopAgreement, run_start: RunStart,
-                 every: SaveSchedule | str | int = CHECKPOINT_EVERY_ON_CPU, keep: bool = False) -> None:
+                 every: SaveSchedule | str | int = CHECKPOINT_EVERY_ON_CPU, keep: bool = False,
+                 writer: BackgroundWriter | None = None) -> None:
         self.phase_state = phase_state
         self.stop = stop
         self.run_start = run_start
         self.every = every if isinstance(every, SaveSchedule) else SaveSchedule.parse(every)
         self.keep = keep
+        self.given_writer = writer
         self.writer: BackgroundWriter | None = None
         self.files: CheckpointFiles | None = None
         self.queued: set[Path] = set()  # files this process has written or queued
@@ -149,7 +154,7 @@ class MimaCheckpoint(Checkpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.files = CheckpointFiles(Path(trainer.default_root_dir))
-        self.writer = BackgroundWriter()
+        self.writer = self.given_writer if self.given_writer is not None else BackgroundWriter()
         self.stop.install()
         if trainer.ckpt_path is None:  # a fresh start: whatever an earlier attempt left is stale
             trainer.strategy.barrier("mima: fresh start")
@@ -369,8 +374,8 @@ class MimaCheckpoint(Checkpoint):
         refer to it. The writer writes host tensors as they are (device ones go through host buffer
         `buffer` first: pinned, a non-blocking copy), after their copies from the device have arrived;
         `buffer` is not refilled before the file is written."""
-        if not responsible or path in self.queued or path.is_file():
-            return
+        if not responsible or path in self.queued or self.writer.pending(path) or path.is_file():
+            return  # (pending: a final task model the sync callback queued on the same writer)
         host = self.phase_state.host
         if any(value.device.type != "cpu" for value in tensors.values()):
             tensors = host.fill(buffer, tensors)

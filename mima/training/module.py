@@ -7,6 +7,7 @@ untrained parameter reaches the optimiser or DDP.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from dataclasses import asdict
 from typing import Any
@@ -26,6 +27,7 @@ from mima.models.clip import LoadedClip, load_clip
 from mima.models.heads import task_heads
 from mima.core.layout import TaskLayout
 from mima.training.lr_schedule import lr_factor
+from mima.training.plan_choices import choose_compile
 from mima.core.plan import PhasePlan, StepPosition
 from mima.core.settings import takes_settings
 from mima.config.model import ModelSettings
@@ -81,6 +83,10 @@ class MimaModule(L.LightningModule):
         # whether a batch of the running segment came from another task's slot; a device flag read at
         # the segment end, not per step (reading it would make the host wait for the device)
         self.wrong_slot: torch.Tensor | None = None
+        self.compiled = False  # model.compile: the encoder is compiled (once per process)
+        # when the compiled encoder's first batch started (that step compiles), until the time is reported
+        self.first_batch_started: float | None = None
+        self.compile_reported = False
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -118,6 +124,28 @@ class MimaModule(L.LightningModule):
         # page-locked memory that is one DMA transfer, from pageable memory a staged copy.
         if self.device.type == "cuda":
             self.theta_0 = {key: value.pin_memory() for key, value in self.theta_0.items()}
+        if choose_compile(self.settings.compile, self.device.type == "cuda").value:
+            self.compile_encoder()
+
+    def compile_encoder(self) -> None:
+        """torch.compile the encoder in place, once per process: its state_dict keys stay as they are,
+        and every later load (a phase's average, another task's start, a resumed checkpoint) copies
+        into its tensors, which the compiled code reads, so nothing is compiled again. Compiling
+        happens in the first step; on_train_batch_end says how long it took."""
+        if not self.compiled:
+            self.encoder.compile()
+            self.compiled = True
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.compiled and self.first_batch_started is None:
+            self.first_batch_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.first_batch_started is not None and not self.compile_reported:
+            seconds, self.compile_reported = time.perf_counter() - self.first_batch_started, True
+            if self.trainer.is_global_zero:
+                print(f"mima fit: model.compile: the first step, which compiled the encoder, took {seconds:.1f} s",
+                      flush=True)
 
     def use_grad_checkpointing(self) -> None:
         """Recompute the encoder's activations in the backward pass (model.grad_checkpointing: true,
@@ -225,6 +253,20 @@ class MimaModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, except with a fused AdamW: Lightning's mixed precision refuses to clip
+        for any fused optimiser (for a gradient scaler's sake), but a fused AdamW is chosen only where
+        no scaler runs (_fuse_adamw), so its gradients are the true ones: clipped here with the same
+        torch function over the same parameters."""
+        if not gradient_clip_val or not any(group.get("fused") for group in optimizer.param_groups):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
     # ------------------------------------------------------------------------- callbacks
     def configure_callbacks(self):
         """What a plain Trainer needs to run MIMA. `mima fit` passes its own sync (or joint) callback,
@@ -257,14 +299,20 @@ class MimaModule(L.LightningModule):
 def _fuse_adamw(params: list[torch.nn.Parameter], trainer: L.Trainer) -> bool | None:
     """True (one fused AdamW kernel for all parameters, its step counters kept on the device) where
     the parameters are on CUDA; None (torch's default kernels) otherwise: on the CPU fused kernels
-    round differently, and CPU results are compared bit for bit. Also None under Lightning's mixed
-    precision with gradient clipping, which refuses fused optimisers (they unscale gradients
-    themselves, after the clipping would have run)."""
+    round differently, and CPU results are compared bit for bit. Also None with a gradient scaler
+    (16-mixed) and clipping: a fused AdamW unscales the gradients itself, after the clipping would
+    have seen them scaled. Without a scaler (bf16-mixed, 32-true) MimaModule clips itself
+    (configure_gradient_clipping), and the fused kernel stays."""
     if not params or params[0].device.type != "cuda":
         return None
-    if trainer.gradient_clip_val and isinstance(trainer.precision_plugin, MixedPrecision):
+    if trainer.gradient_clip_val and _gradient_scaler(trainer) is not None:
         return None
     return True
+
+
+def _gradient_scaler(trainer: L.Trainer) -> object | None:
+    plugin = trainer.precision_plugin
+    return plugin.scaler if isinstance(plugin, MixedPrecision) else None
 
 
 def _enable_grad_checkpointing(encoder: torch.nn.Module, clip: str) -> None:

@@ -82,6 +82,38 @@ class HostArena:
         return sum(_aligned(value.numel() * value.element_size()) for value in tensors)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a host buffer entry holds: shape and dtype, and whether it is filled from a GPU."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    from_gpu: bool
+
+    @staticmethod
+    def like(value: torch.Tensor) -> TensorSpec:
+        return TensorSpec(value.shape, value.dtype, value.device.type == "cuda")
+
+
+def adamw_moment_specs(optimizer: torch.optim.Optimizer) -> dict[str, TensorSpec]:
+    """The flat moments (mima.training.checkpoint_format.flatten_moments) that AdamW will hold once it
+    has stepped, from its parameters: "step" (a float32 scalar, on the parameters' device when the
+    optimiser is fused or capturable, on the CPU otherwise), "exp_avg" and "exp_avg_sq" like the
+    parameter (and "max_exp_avg_sq" with amsgrad)."""
+    specs: dict[str, TensorSpec] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            on_gpu = param.device.type == "cuda"
+            specs[f"{index}.step"] = TensorSpec(torch.Size([]), torch.float32, on_gpu and step_on_device)
+            for name in names:
+                specs[f"{index}.{name}"] = TensorSpec(param.shape, param.dtype, on_gpu)
+            index += 1
+    return specs
+
+
 class HostBuffers:
     """Host copies of device tensors in buffers allocated once per name and reused.
 
@@ -121,18 +153,33 @@ class HostBuffers:
         tensor's shape or dtype changed; `wanted` as in HostArena.tensor); `copies_queued` after the
         last one from a device. Unlike `fill`, it does not wait for a reader: for buffers only their
         filler reads."""
-        buffer = self.buffers.setdefault(name, {})
-        target = buffer.get(key)
-        if target is None or target.shape != value.shape or target.dtype != value.dtype:
-            if value.device.type == "cuda":  # page-locked: the copy from the device is asynchronous
-                target = self.page_locked.tensor(value.shape, value.dtype, wanted)
-            else:
-                target = torch.empty(value.shape, dtype=value.dtype)
-            buffer[key] = target
-            self.allocations += 1
+        target = self.entry(name, key, TensorSpec(value.shape, value.dtype, value.device.type == "cuda"), wanted)
         with torch.no_grad():
             target.copy_(value, non_blocking=True)
         return target
+
+    def entry(self, name: BufferName, key: str, spec: TensorSpec, wanted: int = 0) -> torch.Tensor:
+        """Entry `key` of buffer `name`, allocated as `spec` says unless it already is (page-locked for
+        copies from a GPU: `spec.from_gpu`)."""
+        buffer = self.buffers.setdefault(name, {})
+        target = buffer.get(key)
+        if target is None or target.shape != spec.shape or target.dtype != spec.dtype:
+            if spec.from_gpu:  # page-locked: the copy from the device is asynchronous
+                target = self.page_locked.tensor(spec.shape, spec.dtype, wanted)
+            else:
+                target = torch.empty(spec.shape, dtype=spec.dtype)
+            buffer[key] = target
+            self.allocations += 1
+        return target
+
+    def reserve(self, name: BufferName, specs: Mapping[str, TensorSpec]) -> None:
+        """Allocate buffer `name` for tensors like `specs` now (before training starts), so that its
+        fills at segment ends find it ready: page-locked allocations (cudaHostAlloc) are slow and
+        synchronise the device, not something to do between two steps."""
+        wanted = sum(_aligned(spec.shape.numel() * spec.dtype.itemsize) for spec in specs.values())
+        for key, spec in specs.items():
+            self.entry(name, key, spec, wanted)
+            wanted -= _aligned(spec.shape.numel() * spec.dtype.itemsize)
 
     def copies_queued(self, device: torch.device) -> None:
         """Mark the copies queued so far from `device`, for `ready` (nothing to mark off a GPU)."""
@@ -257,6 +304,15 @@ class PhaseState:
         slot's host buffer, in the optimiser's order)."""
         self.task_moments[slot] = unflatten_moments(self.host.fill(("moments", slot), flatten_moments(optimizer_state)))
         self.moments_phase[slot] = phase
+
+    def reserve(self, slots: int, encoder_state: Mapping[str, torch.Tensor], moments: Mapping[str, TensorSpec] | None) -> None:
+        """Allocate, before the first step, the host buffers of `slots` task slots: end weights like
+        `encoder_state` and, where moments are kept (`moments`), AdamW moments like those."""
+        weights = {key: TensorSpec.like(value) for key, value in encoder_state.items()}
+        for slot in range(slots):
+            self.host.reserve(("segment", slot), weights)
+            if moments is not None:
+                self.host.reserve(("moments", slot), moments)
 
     def forget_moments(self, slot: int) -> None:
         """A task slot has no later segment: nothing of its moments is kept (its buffer stays for reuse)."""

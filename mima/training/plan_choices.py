@@ -4,6 +4,8 @@
   * model.grad_checkpointing "auto": off when the plan's device memory without it fits the GPU with
     MEMORY_MARGIN to spare (recomputing activations costs about a quarter of a ViT's step time),
     on otherwise; off on the CPU and when the GPU's memory is unknown (`mima plan --device-memory`);
+  * model.compile "auto": on when training on a CUDA GPU, off on the CPU (where TorchInductor's C++
+    kernels take minutes to build for a few seconds' gain);
   * --checkpoint_every "auto": by time on a GPU (CHECKPOINT_EVERY_ON_GPU), at every segment end on
     the CPU (mima.config.defaults);
   * the loader: data.cache stays as configured (the cache writes every decoded image to disk and
@@ -15,7 +17,8 @@
 
 Run and step times are estimates, not measurements: the FLOPs of a training step traced on the meta
 device (mima.models.footprint) over the GPU's dense bf16 peak (PEAK_BF16_TFLOPS by device name) at
-ASSUMED_UTILISATION, plus STEP_OVERHEAD_S per step. They decide only how many time-based
+ASSUMED_UTILISATION, plus STEP_OVERHEAD_S per step (COMPILED_STEP_OVERHEAD_S with model.compile, whose
+first step also pays COMPILE_S). They decide only how many time-based
 checkpoints the byte counts assume and the loader comparison; every assumption is printed with them.
 """
 
@@ -35,6 +38,13 @@ ASSUMED_UTILISATION = 0.35  # of the bf16 peak (float32 runs: of half of it, TF3
 # Per step besides the FLOPs: Python, launches, optimiser and logging. About what `mima fit` spent per
 # step beyond the model on ViT-B/32, batch 128, bf16, one H100 (benchmarks/README.md, 2026-11-22).
 STEP_OVERHEAD_S = 0.05
+# The same with the encoder compiled (model.compile): kernel launches fused away. A compiled bare ViT-B/32
+# step at batch 128 took 18.8 ms on an H200 against 35.7 ms eager (docs/results.md, 2026-11-28), about
+# 14 ms above its FLOPs at ASSUMED_UTILISATION.
+COMPILED_STEP_OVERHEAD_S = 0.015
+# What compiling costs once per process, in the first step: 35 s (batch 128) and 46 s (batch 512) for
+# ViT-B/32's training step on an H200 (docs/results.md); the plan adds it to the run time.
+COMPILE_S = 40.0
 WRITE_BYTES_PER_S = 200e6  # a shared file system's write rate for one process (the plan's assumption)
 MEMORY_MARGIN = 0.15  # grad_checkpointing "auto" keeps it off only while the plan needs <= 85 % of the GPU
 # Images per second that one DataLoader worker decodes and augments through open_clip's training
@@ -61,20 +71,24 @@ class StepTiming:
     utilisation: float
     flops_per_step: float  # forward and backward of one process's batch (plus a forward when checkpointing)
     step_s: float
-    run_s: float  # the slowest process's steps, syncs not counted
-    phase_s: tuple[float, ...]  # the slowest process's time per phase
+    run_s: float  # the slowest process's steps (and compiling), syncs not counted
+    phase_s: tuple[float, ...]  # the slowest process's time per phase (the first with the compile time)
+    compile_s: float = 0.0  # model.compile's one-off cost, in the first phase
 
 
-def step_timing(flops_per_step: float, device_name: str | None, precision: str, steps_per_phase: list[int]) -> StepTiming:
-    """Step and run time from FLOPs, at ASSUMED_UTILISATION of the device's peak (module docstring)."""
+def step_timing(flops_per_step: float, device_name: str | None, precision: str, steps_per_phase: list[int],
+                compiled: bool = False) -> StepTiming:
+    """Step and run time from FLOPs, at ASSUMED_UTILISATION of the device's peak (module docstring);
+    `compiled` (model.compile): the compiled step's overhead, and the compile time once."""
     peak = peak_bf16_tflops(device_name)
     device = device_name if peak is not None else f"{ASSUMED_DEVICE} (assumed: {device_name or 'no GPU here'})"
     peak = peak if peak is not None else peak_bf16_tflops(ASSUMED_DEVICE)
     if not (precision.startswith("bf16") or precision.startswith("16")):
         peak = peak / 2  # float32 matmuls run as TF32 on tensor cores: half the bf16 rate
-    step_s = STEP_OVERHEAD_S + flops_per_step / (peak * 1e12 * ASSUMED_UTILISATION)
-    phase_s = tuple(steps * step_s for steps in steps_per_phase)
-    return StepTiming(device, peak, ASSUMED_UTILISATION, flops_per_step, step_s, sum(phase_s), phase_s)
+    overhead, compile_s = (COMPILED_STEP_OVERHEAD_S, COMPILE_S) if compiled else (STEP_OVERHEAD_S, 0.0)
+    step_s = overhead + flops_per_step / (peak * 1e12 * ASSUMED_UTILISATION)
+    phase_s = tuple(steps * step_s + (compile_s if phase == 0 else 0.0) for phase, steps in enumerate(steps_per_phase))
+    return StepTiming(device, peak, ASSUMED_UTILISATION, flops_per_step, step_s, sum(phase_s), phase_s, compile_s)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,15 @@ def choose_checkpoint_every(given: str | int | None, on_gpu: bool) -> Choice:
         return Choice(CHECKPOINT_EVERY_ON_GPU, True, "on a GPU, by time: a process state with its AdamW moments is large, "
                       "so not at every segment end")
     return Choice(CHECKPOINT_EVERY_ON_CPU, True, "on the CPU, at every segment end")
+
+
+def choose_compile(given: bool | str, on_gpu: bool) -> Choice:
+    """model.compile: as given, or for "auto" on exactly when training on a CUDA GPU."""
+    if given is True or given is False:
+        return Choice(given, False, "given")
+    if on_gpu:
+        return Choice(True, True, "on a GPU: a compiled step launches fewer kernels")
+    return Choice(False, True, "on the CPU")
 
 
 def choose_grad_checkpointing(given: bool | str, on_gpu: bool, need_without: int, device_memory: int | None) -> Choice:

@@ -49,6 +49,7 @@ from mima.training.plan_choices import (
     StepTiming,
     as_json,
     choose_checkpoint_every,
+    choose_compile,
     choose_grad_checkpointing,
     loader_warning,
     signal_lead,
@@ -94,6 +95,7 @@ class PlanInputs:
     device_name: str | None = None  # the GPU present here (its peak FLOP/s), None elsewhere
     accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches per optimiser step
     grad_checkpointing: bool = False  # as the run will use it (resolved from "auto")
+    compiled: bool = False  # model.compile as the run will use it (resolved from "auto")
     reads_images: bool = False  # whether training decodes image files (clip suite, custom folders)
     data_cache: bool = False
     outer_momentum: bool = False  # model.sync_merge outer_nesterov with momentum: one more state-sized buffer
@@ -200,7 +202,7 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
         passes = 4 if inputs.grad_checkpointing else 3
         flops = passes * footprint.forward_flops_per_example * per_process_batch * inputs.accumulate
         slowest = [max(layout.phase_steps(lengths, phase)) for phase in range(iterations)]
-        timing = step_timing(flops, inputs.device_name, inputs.precision, slowest)
+        timing = step_timing(flops, inputs.device_name, inputs.precision, slowest, inputs.compiled)
     files = _checkpoint_file_bytes(footprint, tasks, lengths, world)
     schedule = SaveSchedule.parse(inputs.checkpoint_every)
     counts = _checkpoint_counts(layout, lengths, schedule, keep, timing)
@@ -421,6 +423,7 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
     precision = str(trainer.get("precision") or "32-true")
     on_gpu = trains_on_gpu(trainer)
     schedule = choose_checkpoint_every(checkpoint_every, on_gpu)
+    compiling = choose_compile(settings.compile, on_gpu)
     inputs = PlanInputs(
         tasks=(JOINT,) if joint else tuple(tasks), task_lengths=tuple(lengths), world_size=world_size,
         num_nodes=num_nodes, batch_size=int(config.data.batch_size), num_workers=int(config.data.num_workers),
@@ -431,7 +434,7 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
         device_name=present_device_name() if on_gpu else None,
         accumulate=int(trainer.get("accumulate_grad_batches") or 1),
         reads_images=reads_image_files(config), data_cache=bool(config.data.cache),
-        grad_checkpointing=settings.grad_checkpointing is True,
+        grad_checkpointing=settings.grad_checkpointing is True, compiled=bool(compiling.value),
         outer_momentum=keeps_outer_momentum(settings.sync_merge, settings.sync_merge_args),
     )
     footprint = measure_footprint(settings.clip, precision, inputs.grad_checkpointing)
@@ -441,7 +444,7 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
     if checkpointing.value and not inputs.grad_checkpointing:
         footprint = measure_footprint(settings.clip, precision, True)
     inputs = replace(inputs, grad_checkpointing=bool(checkpointing.value),
-                     choices=(("grad_checkpointing", checkpointing), ("checkpoint_every", schedule)))
+                     choices=(("grad_checkpointing", checkpointing), ("compile", compiling), ("checkpoint_every", schedule)))
     plan = make_plan(inputs, footprint)
     plan.notes += settings.schedule_notes(tasks)  # printed by `mima plan` and at `mima fit` start alike
     return plan, footprint, inputs
@@ -545,13 +548,15 @@ def _choice_lines(plan: RunPlan) -> list[str]:
     on_off = {True: "on", False: "off"}.get
     lines = ["defaults: " + "; ".join(
         shown(option, key, spell) for option, key, spell in (
-            ("model.grad_checkpointing", "grad_checkpointing", on_off), ("--checkpoint_every", "checkpoint_every", str))
+            ("model.grad_checkpointing", "grad_checkpointing", on_off), ("model.compile", "compile", on_off),
+            ("--checkpoint_every", "checkpoint_every", str))
         if key in plan.choices)]
     timing = plan.timing
     if timing is not None:
         lines.append(f"time (estimate): {timing['step_s']:.3f} s per step, {timing['run_s'] / 3600:.2f} h of steps for "
                      f"the slowest process ({timing['flops_per_step'] / 1e12:.2f} TFLOP per step at "
-                     f"{timing['utilisation']:.0%} of {timing['peak_tflops']:.0f} TFLOP/s, {timing['device']})")
+                     f"{timing['utilisation']:.0%} of {timing['peak_tflops']:.0f} TFLOP/s, {timing['device']})"
+                     + (f", {timing['compile_s']:.0f} s of it compiling the encoder" if timing.get("compile_s") else ""))
     signal = plan.choices.get("slurm_signal")
     if signal is not None:
         lines.append(f"slurm: a stop saves about {_size(signal['save_bytes'])} per process ({signal['save_s']:.0f} s at "

@@ -52,8 +52,9 @@ from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
 from mima.training.averaging import average_phase, gather_task_values
+from mima.training.background_writer import BackgroundWriter
 from mima.training.divergence import divergence_report, nonfinite_key
-from mima.training.phase_state import PhaseState, StepWatch
+from mima.training.phase_state import PhaseState, StepWatch, adamw_moment_specs
 from mima.training.preemption import StopAgreement
 from mima.training.sync_deadline import StepClock, lag_steps, sync_allowance_s
 from mima.training.sync_merge import SyncMerge
@@ -114,11 +115,18 @@ class MimaSyncCallback(Callback):
         before_sync: called before the process waits for the others at a sync (`mima fit` passes
             none: checkpoint writes go on through the sync, see mima.training.checkpoint_retention).
         sync_merge: the phase-end operator (default: the uniform average, MIMA itself).
+        writer: the process's background writer, which writes the final task models off the training
+            thread (`mima fit` passes the one its checkpoints use, so a state that refers to a final
+            file is never on disk before it; default: one of this callback's own). The run ends once
+            they are on disk (on_train_end waits for them).
     """
 
     def __init__(self, phase_state: PhaseState | None = None, stop: StopAgreement | None = None,
-                 before_sync: Callable[[], None] | None = None, sync_merge: SyncMerge | None = None) -> None:
+                 before_sync: Callable[[], None] | None = None, sync_merge: SyncMerge | None = None,
+                 writer: BackgroundWriter | None = None) -> None:
         self.phases = phase_state if phase_state is not None else PhaseState()
+        self.writer = writer if writer is not None else BackgroundWriter()
+        self.owns_writer = writer is None  # closed here at the end; a given one, by whoever gave it
         self.stop = stop
         self.before_sync = before_sync
         self.sync_merge = sync_merge if sync_merge is not None else SyncMerge()
@@ -153,6 +161,10 @@ class MimaSyncCallback(Callback):
             self._log_step_losses(trainer, pl_module)
         except Exception:  # a failed device cannot hand them over; the original error is the one to report
             pass
+        try:  # a final task model queued before the failure is a finished task's: it reaches the disk
+            self._finals_written()
+        except Exception:
+            pass
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -160,6 +172,9 @@ class MimaSyncCallback(Callback):
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
         plan = pl_module.plan
+        keeps_moments = pl_module.hparams.optimizer_state == "keep" and plan.iterations > 1
+        self.phases.reserve(len(plan.local_tasks), pl_module.encoder.state_dict(),
+                            adamw_moment_specs(trainer.optimizers[0]) if keeps_moments else None)
         if self.phases.restored:
             self.clock.saved = self.phases.step_seconds
             self.resumed_phase = plan.position(min(trainer.global_step, plan.local_steps - 1)).phase
@@ -222,6 +237,14 @@ class MimaSyncCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_step_losses(trainer, pl_module)  # a run stopped inside a segment: its last steps' losses
+        self._finals_written()
+
+    def _finals_written(self) -> None:
+        """Wait until the final task models queued so far are on disk (the run ends with them)."""
+        if self.owns_writer:
+            self.writer.close()
+        else:
+            self.writer.flush()
 
     def _sync(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> bool:
         """Agree with the other processes, then average; False (sync left pending) on a stop.
@@ -306,8 +329,7 @@ class MimaSyncCallback(Callback):
             phases.keep_moments(position.slot, position.phase, trainer.optimizers[0].state_dict()["state"])
             self.optimizer_holds = position.slot
         if last_phase and pl_module.layout.is_leader(trainer.global_rank):
-            phases.host.wait()  # written from the host buffer, here
-            self._save_final(trainer, pl_module, position.task_index, phases.segment_ends[position.slot])
+            self._save_final(trainer, pl_module, position.task_index, position.slot)
 
     def _end_phase(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> None:
         plan, layout = pl_module.plan, pl_module.layout
@@ -388,8 +410,12 @@ class MimaSyncCallback(Callback):
             device = optimizer.param_groups[0]["params"][0].device
             optimizer.load_state_dict({"state": _moments_for_optimizer(kept, device), "param_groups": groups})
 
-    def _save_final(self, trainer, pl_module, task_index: int, weights: StateDict) -> None:
+    def _save_final(self, trainer, pl_module, task_index: int, slot: int) -> None:
+        """Queue the task's final model (the slot's end weights, in their host buffer) on the writer:
+        its thread waits for the copies from the device, then writes; the buffer is not refilled
+        before that (HostBuffers.hold)."""
         plan, tasks = pl_module.plan, pl_module.tasks
+        host, weights = self.phases.host, self.phases.segment_ends[slot]
         lengths = plan.task_lengths[task_index]
         metadata = {
             "task": plan.tasks[task_index],
@@ -403,7 +429,15 @@ class MimaSyncCallback(Callback):
         }
         if not plan.uniform:
             metadata["budgets"] = {name: plan.budget(t) for t, name in enumerate(plan.tasks)}
-        RunFolder(Path(trainer.default_root_dir)).write_final(plan.tasks[task_index], weights, metadata)
+        run, task, copied = RunFolder(Path(trainer.default_root_dir)), plan.tasks[task_index], host.ready()
+
+        def write() -> None:
+            copied()
+            run.write_final(task, weights, metadata)
+
+        self.writer.submit_call([run.final_file(task), run.final_metadata_file(task)], write)
+        writer, written = self.writer, self.writer.submitted
+        host.hold(("segment", slot), lambda: writer.wait_for_job(written))
 
 
 def _longest(plan) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from mima.commands.common import COMPARED_MERGES, device_spelling
 from mima.commands.common import OneLineParser, frozen_options, no_empty_folder_left
 from mima.core.errors import MimaError
+from mima.evaluation.cache_use import CACHE_MODES
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class EvaluateOptions:
     merge_device: str | None  # None: auto
     num_workers: int | None  # None: the run's data.num_workers
     log_to_tracker: bool  # also send each run's rows to the tracker runs its fit logged to
+    cache: str  # auto, on or off (mima.evaluation.cache_use)
 
     def __post_init__(self) -> None:
         """The checks argparse cannot make, each made here once (what needs torch, e.g. whether this
@@ -74,6 +76,12 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
     parser.add_argument("--log-to-tracker", action="store_true",
                         help="also log each run's rows (evaluate/<model>/<task> accuracies) to the experiment-tracker "
                         "runs its `mima fit` logged to (trainer.logger: W&B, MLflow; recorded in RUN/tracker.json)")
+    parser.add_argument("--cache", choices=CACHE_MODES, default=CACHE_MODES[0],
+                        help="auto (default): on with a GPU, off on the CPU. on: the validation and test splits read "
+                        "from the decoded-image cache (the files of data.cache, built where missing) in whole batches "
+                        "normalised on the device, several merged models evaluated on each batch read, the encoder "
+                        "compiled on a GPU (auto leaves tasks the cache cannot hold, e.g. the digits suite, on their own "
+                        "path; on refuses them). off: item by item through the run's own data settings, as before")
     parsed = parser.parse_args(argv)
     try:
         return frozen_options(EvaluateOptions, parsed)
@@ -91,4 +99,5 @@ def main(argv: Sequence[str]) -> None:
         evaluate_runs(list(options.runs), options.out, list(options.merges), not options.no_select, options.overwrite,
                       precision=options.precision, val_examples=options.val_examples, team=team,
                       skip_unfinished=options.skip_unfinished, num_workers=options.num_workers,
-                      merge_device=options.merge_device, log_to_tracker=options.log_to_tracker)
+                      merge_device=options.merge_device, log_to_tracker=options.log_to_tracker,
+                      cache=options.cache)

@@ -17,7 +17,9 @@ How it survives a preemptible cluster:
     Counts are integers, so the results equal one process's exactly. Each process makes its GPU
     (from its local rank, mima.evaluation.device) the current device before any CUDA call.
   * Each process has at most `--num-workers` loader workers alive, whatever the number of tasks and
-    splits: one set serves every pass (mima.evaluation.loader_pool).
+    splits: one set serves every pass (mima.evaluation.loader_pool). With `--cache` on (the default on
+    a GPU) the validation and test splits come from the decoded-image cache instead, in whole batches
+    made on the device, several merged models per batch read (mima.evaluation.cache_use).
 
 The parts, one job each: what is evaluated and its checks (evaluation), the processes and their
 stop (team), which process evaluates which cells (dealing), one process's cells (worker), each
@@ -43,6 +45,7 @@ from mima.commands.evaluate.worker import Worker
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
+from mima.evaluation.cache_use import CacheUse, cache_use
 from mima.evaluation.device import claim_device
 from mima.evaluation.results import ModelResult
 from mima.merging.engine import merge_device as resolve_merge_device
@@ -64,6 +67,7 @@ def evaluate_runs(
     num_workers: int | None = None,
     merge_device: str | None = None,
     log_to_tracker: bool = False,
+    cache: str = "auto",
 ) -> list[ModelResult] | None:
     """Evaluate finished runs of the same tasks and model into `out_dir` (results.json/.csv/.md,
     selection.json, plots; the cells in cells/). Returns the results in process 0, None elsewhere.
@@ -74,7 +78,10 @@ def evaluate_runs(
     EvaluateOptions checks it): validation examples per task. `num_workers` loader workers per
     process (None: the first run's data.num_workers). `merge_device` (`--merge-device`): where the
     merges' arithmetic runs (None or "auto": each process's evaluation device). `log_to_tracker`: each
-    run's rows also go to the tracker runs its fit logged to (mima.training.trackers)."""
+    run's rows also go to the tracker runs its fit logged to (mima.training.trackers). `cache`
+    (`--cache`: auto, on or off, mima.evaluation.cache_use): whether the validation and test splits
+    are read from the decoded-image cache in whole batches made on the device; every in-process
+    evaluation (`mima evaluate`, the sweep and the demo) is switched here."""
     started = started or time.time()
     team = team or Team(session=new_session())
     device = claim_device(team.local_rank)  # first: nothing below may open a CUDA context on another GPU
@@ -84,7 +91,8 @@ def evaluate_runs(
                                      precision or default_precision(device), skip_unfinished)
     workers = int(evaluation.configs[0].data.num_workers) if num_workers is None else num_workers
     # an unknown precision or a negative number of workers is one line here, before anything is written
-    settings = EvalSettings(precision=evaluation.precision, num_workers=workers, pin_memory=device.type == "cuda")
+    settings = EvalSettings(precision=evaluation.precision, num_workers=workers, pin_memory=device.type == "cuda",
+                            cache=cache_use(cache, device.type))
     # one evaluation per folder at a time (process 0 holds the lock; the others are its own)
     with RunLock(out_dir, "mima evaluate") if team.rank == 0 else contextlib.nullcontext():
         results = _evaluate(evaluation, Path(out_dir), overwrite, title, extra, started, team, device, settings, merges_on)
@@ -120,7 +128,8 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str
     mine = deal(plan_units(evaluation), team.world)[team.rank]
     if team.rank == 0:
         print(f"{title}: {len(evaluation.tasks)} tasks ({', '.join(evaluation.tasks)}); merges: "
-              f"{', '.join(method.name for method in evaluation.methods)}; {evaluation.precision}, {team.world} process(es)")
+              f"{', '.join(method.name for method in evaluation.methods)}; {evaluation.precision}, {team.world} process(es)"
+              + ("" if settings.cache == CacheUse.OFF else f"; decoded-image cache: {settings.cache.value}"))
         for line in store.rejected:  # left out: evaluated again, never published
             print(f"{title}: {line}")
         if done:

@@ -35,7 +35,7 @@ class Worker:
 
     def _pool(self) -> TaskPool:
         if self.pool is None:
-            self.pool = task_pool(self.evaluation.configs[0])
+            self.pool = task_pool(self.evaluation.configs[0], self.settings.cache)
             self.pool.encoder.to(self.device)
         return self.pool
 
@@ -54,16 +54,37 @@ class Worker:
 
     def _evaluate(self, run_id: str, model: str, point: str, split: str, tasks: list[str], weights) -> None:
         """Record the cells of `tasks` that are missing; `weights` is called only if one is."""
-        missing = [task for task in tasks if Cell(run_id, model, point, split, task) not in self.store]
-        if not missing:
+        self._evaluate_points(run_id, model, [(point, weights)], split, tasks)
+
+    def _evaluate_points(self, run_id: str, model: str, points: list[tuple[str, object]], split: str,
+                         tasks: list[str]) -> None:
+        """Record the missing cells of several points of one model (each with its weights, or a callable
+        computing them, called only if one of its cells is missing): per task, one pass over the split
+        evaluates every point that lacks the task's cell on each batch read."""
+        missing = {task: [index for index, (point, _) in enumerate(points)
+                          if Cell(run_id, model, point, split, task) not in self.store] for task in tasks}
+        if not any(missing.values()):
             return
         pool = self._pool()
         evaluator = pool.evaluator(split, self.settings, self.evaluation.val_examples if split == "val" else None)
-        # each cell with its per-image record (which images were right): the results' intervals and paired tests
-        evaluator.records(weights() if callable(weights) else weights, missing,
-                          on_task=lambda task, correct: self.store.record(Cell(run_id, model, point, split, task),
-                                                                          ImageRecord(correct)),
-                          should_stop=self.should_stop)
+        computed: dict[int, dict] = {}
+
+        def weights_of(index: int) -> dict:
+            if index not in computed:
+                weights = points[index][1]
+                computed[index] = weights() if callable(weights) else weights
+            return computed[index]
+
+        for task in tasks:
+            if not missing[task]:
+                continue
+            indices = missing[task]
+            # each cell with its per-image record (which images were right): the results' intervals and paired tests
+            evaluator.records_of_models(
+                [weights_of(index) for index in indices], [task],
+                on_record=lambda position, name, correct, indices=indices: self.store.record(
+                    Cell(run_id, model, points[indices[position]][0], split, name), ImageRecord(correct)),
+                should_stop=self.should_stop)
 
     def run(self, unit: Unit) -> None:
         evaluation = self.evaluation
@@ -108,12 +129,26 @@ class Worker:
 
         kept: dict[str, dict | None] = {}  # this session's merged weights of the best point so far
         best: BestPoint[str] = BestPoint()
+        group: list[tuple[str, Callable[[], dict] | None]] = []  # grid points in order, not yet offered
+
+        def settle() -> None:
+            """The group's missing validation cells (its models evaluated together on each batch read),
+            then each of its points offered in grid order."""
+            nonlocal kept
+            needed = [(point, merged) for point, merged in group if merged is not None]
+            if needed:
+                self._evaluate_points(run_id, method.name, needed, "val", tasks)
+            for point, merged in group:
+                if best.offer(validation_score(self.store, run_id, method.name, point, tasks), point):
+                    kept = {point: merged() if merged is not None else None}
+            group.clear()
+
+        per_pass = self.settings.cache.models_per_pass
         for setting, lam, merged in grid_merges(method, grid, scored, models, lambda: self.pool):
-            point = point_key(full_point(method, setting, lam))
-            if merged is not None:
-                self._evaluate(run_id, method.name, point, "val", tasks, merged)
-            if best.offer(validation_score(self.store, run_id, method.name, point, tasks), point):
-                kept = {point: merged() if merged is not None else None}
+            group.append((point_key(full_point(method, setting, lam)), merged))
+            if sum(merged is not None for _, merged in group) >= per_pass:
+                settle()
+        settle()
         chosen = best.point
         weights = kept.get(chosen) or (lambda: merge_at(method, chosen, models, lambda: self.pool))
         self._evaluate(run_id, method.name, chosen, "test", tasks, weights)

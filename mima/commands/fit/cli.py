@@ -46,6 +46,7 @@ from mima.core.run_folder import JOINT, RunFolder
 from mima.core.run_lock import RunLock
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.listing import listing_changes
+from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
 from mima.training.determinism import prepare_deterministic
 from mima.training.joint import JointFinalCallback
@@ -189,9 +190,13 @@ class MimaCLI(LightningCLI):
             kwargs["logger"] = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(global_rank())) + ([relay] if trackers else [])
         # One PhaseState per process, owned here: the sync callback changes it, the checkpoints store it.
         phases = PhaseState()
+        # one background writer for the checkpoints and the final task models, in one order: a state
+        # that refers to a final file is never on disk before it (the checkpoint callback closes it)
+        writer = BackgroundWriter() if saving else None
         self.checkpoint: MimaCheckpoint | None = None
         if saving:
-            self.checkpoint = MimaCheckpoint(phases, stop, self.run_start, every, keep=bool(config.get("keep_checkpoints")))
+            self.checkpoint = MimaCheckpoint(phases, stop, self.run_start, every, keep=bool(config.get("keep_checkpoints")),
+                                             writer=writer)
         else:
             kwargs["enable_checkpointing"] = False
         if self.model.hparams.mode == JOINT:
@@ -199,7 +204,7 @@ class MimaCLI(LightningCLI):
         else:
             hparams = self.model.hparams
             sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
-            mima_callbacks = [MimaSyncCallback(phases, stop, sync_merge=sync_merge)]
+            mima_callbacks = [MimaSyncCallback(phases, stop, sync_merge=sync_merge, writer=writer)]
         user_callbacks = list(self.config_init["trainer"].get("callbacks") or [])
         # after the sync callback, so that a segment's line shows the loss it has just read
         log_lines = [MimaLogLines(None if self.model.hparams.mode == JOINT else phases)] if wants_log_lines(
