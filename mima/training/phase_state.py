@@ -10,8 +10,9 @@ progress bar (mima.training.progress) reads the newest logged loss from it, whic
 anyway (`shown_loss`).
 
 The end weights and kept moments live in host memory, in `HostBuffers`: one buffer per (kind,
-slot), allocated in the first phase and refilled at every later segment end (pinned when the
-tensors come from a CUDA device, so the copy is asynchronous), never a new allocation per segment.
+slot), reserved before the first step (`PhaseState.reserve`) and refilled at every segment end
+(pinned when the tensors come from a CUDA device, so the copy is asynchronous), never a new
+allocation per segment.
 
 `StepWatch` tells a callback whether the batch that just ended also ended an optimiser step (with
 `trainer.accumulate_grad_batches` > 1 most batches only accumulate gradients); each callback keeps

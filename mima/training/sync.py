@@ -13,9 +13,11 @@ checkpoint.
 
 Device memory: the working encoder and `avg`; the end weights of the process's own tasks wait in
 host memory until the phase ends, and so do the kept AdamW moments of its tasks (`optimizer_state:
-keep`; 2 encoder sizes per task of the process). Both go into host buffers allocated in the first
-phase and refilled at every later segment end, pinned on a GPU, with non-blocking copies that the
-host waits for only where it reads them (mima.training.phase_state.HostBuffers). A process with one
+keep`; 2 encoder sizes per task of the process). Both go into host buffers reserved before the
+first step and refilled at every segment end, pinned on a GPU, with non-blocking copies that the
+host waits for only where it reads them (mima.training.phase_state.HostBuffers). The last phase's
+end weights are the final task models, which the process's background writer writes (the one its
+checkpoints use), not the training thread. A process with one
 task keeps its moments in the optimiser from one segment to the next: the copy is for the
 checkpoint, nothing is loaded back. All of this is the process's PhaseState
 (mima.training.phase_state), which `mima fit` hands to this callback and to the checkpoint
