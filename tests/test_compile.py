@@ -101,6 +101,8 @@ def test_compile_auto_is_on_exactly_with_cuda_and_given_values_are_kept():
     assert choose_compile("auto", on_gpu=False).value is False
     assert choose_compile(True, on_gpu=False).value is True and not choose_compile(True, on_gpu=False).chosen
     assert choose_compile(False, on_gpu=True).value is False
+    assert choose_compile("auto", on_gpu=True, deterministic=True).value is False
+    assert choose_compile(True, on_gpu=True, deterministic=True).value is True
 
 
 def test_the_plan_counts_the_compile_time_once_and_the_compiled_step_overhead():

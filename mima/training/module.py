@@ -124,7 +124,8 @@ class MimaModule(L.LightningModule):
         # page-locked memory that is one DMA transfer, from pageable memory a staged copy.
         if self.device.type == "cuda":
             self.theta_0 = {key: value.pin_memory() for key, value in self.theta_0.items()}
-        if choose_compile(self.settings.compile, self.device.type == "cuda").value:
+        # Lightning turns torch's deterministic algorithms on for `trainer.deterministic: true`
+        if choose_compile(self.settings.compile, self.device.type == "cuda", torch.are_deterministic_algorithms_enabled()).value:
             self.compile_encoder()
 
     def compile_encoder(self) -> None:

@@ -5,7 +5,7 @@
     MEMORY_MARGIN to spare (recomputing activations costs about a quarter of a ViT's step time),
     on otherwise; off on the CPU and when the GPU's memory is unknown (`mima plan --device-memory`);
   * model.compile "auto": on when training on a CUDA GPU, off on the CPU (where TorchInductor's C++
-    kernels take minutes to build for a few seconds' gain);
+    kernels take longer to build than a CPU run takes) and with `trainer.deterministic`;
   * --checkpoint_every "auto": by time on a GPU (CHECKPOINT_EVERY_ON_GPU), at every segment end on
     the CPU (mima.config.defaults);
   * the loader: data.cache stays as configured (the cache writes every decoded image to disk and
@@ -39,11 +39,11 @@ ASSUMED_UTILISATION = 0.35  # of the bf16 peak (float32 runs: of half of it, TF3
 # step beyond the model on ViT-B/32, batch 128, bf16, one H100 (benchmarks/README.md, 2026-11-22).
 STEP_OVERHEAD_S = 0.05
 # The same with the encoder compiled (model.compile): kernel launches fused away. A compiled bare ViT-B/32
-# step at batch 128 took 18.8 ms on an H200 against 35.7 ms eager (docs/results.md, 2026-11-28), about
+# step at batch 128 took 18.8 ms on an H200 against 35.7 ms eager (docs/results.md, "One H200, before issue 47"), about
 # 14 ms above its FLOPs at ASSUMED_UTILISATION.
 COMPILED_STEP_OVERHEAD_S = 0.015
 # What compiling costs once per process, in the first step: 35 s (batch 128) and 46 s (batch 512) for
-# ViT-B/32's training step on an H200 (docs/results.md); the plan adds it to the run time.
+# ViT-B/32's training step on an H200 (the same table); the plan adds it to the run time.
 COMPILE_S = 40.0
 WRITE_BYTES_PER_S = 200e6  # a shared file system's write rate for one process (the plan's assumption)
 MEMORY_MARGIN = 0.15  # grad_checkpointing "auto" keeps it off only while the plan needs <= 85 % of the GPU
@@ -111,13 +111,17 @@ def choose_checkpoint_every(given: str | int | None, on_gpu: bool) -> Choice:
     return Choice(CHECKPOINT_EVERY_ON_CPU, True, "on the CPU, at every segment end")
 
 
-def choose_compile(given: bool | str, on_gpu: bool) -> Choice:
-    """model.compile: as given, or for "auto" on exactly when training on a CUDA GPU."""
+def choose_compile(given: bool | str, on_gpu: bool, deterministic: bool = False) -> Choice:
+    """model.compile: as given, or for "auto" on when training on a CUDA GPU, unless the run asks
+    for `trainer.deterministic`: bit-for-bit repeatable GPU runs were measured with eager kernels
+    (docs/results.md, "One H200, before issue 47"), not yet with compiled ones."""
     if given is True or given is False:
         return Choice(given, False, "given")
-    if on_gpu:
-        return Choice(True, True, "on a GPU: a compiled step launches fewer kernels")
-    return Choice(False, True, "on the CPU")
+    if not on_gpu:
+        return Choice(False, True, "on the CPU")
+    if deterministic:
+        return Choice(False, True, "trainer.deterministic: repeatable bit for bit as measured, with eager kernels")
+    return Choice(True, True, "on a GPU: a compiled step launches fewer kernels")
 
 
 def choose_grad_checkpointing(given: bool | str, on_gpu: bool, need_without: int, device_memory: int | None) -> Choice:

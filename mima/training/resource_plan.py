@@ -423,7 +423,7 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
     precision = str(trainer.get("precision") or "32-true")
     on_gpu = trains_on_gpu(trainer)
     schedule = choose_checkpoint_every(checkpoint_every, on_gpu)
-    compiling = choose_compile(settings.compile, on_gpu)
+    compiling = choose_compile(settings.compile, on_gpu, trainer.get("deterministic") is True)
     inputs = PlanInputs(
         tasks=(JOINT,) if joint else tuple(tasks), task_lengths=tuple(lengths), world_size=world_size,
         num_nodes=num_nodes, batch_size=int(config.data.batch_size), num_workers=int(config.data.num_workers),
