@@ -153,6 +153,7 @@ class BareSetup:
         data = run_config.datamodule()  # the run's tasks, custom image folders included
         splits = {name: data.task_data(name, loaded.image_size, loaded.preprocess) for name in data.task_names}
         self.splits = splits  # every task's train / val / test sets (evaluation transform)
+        self.data, self.image_size, self.preprocess = data, loaded.image_size, loaded.preprocess  # for cached splits
         heads = task_heads(loaded, self.model_cfg["heads"], data.task_specs, {n: s.train for n, s in splits.items()},
                            default_cache_dir(), data.data_key, self.model_cfg["probe_shots"])
         self.heads = [heads[name].to(self.device) for name in data.task_names]
