@@ -34,6 +34,7 @@ from mima.core.layout import TaskLayout
 from mima.models.clip import load_clip
 from mima.models.footprint import measure_footprint
 from mima.training.averaging import average_phase
+from mima.training.resource_plan import step_device_bytes
 
 Progress = Callable[[str, object], None]
 
@@ -84,10 +85,7 @@ def planned_step_bytes(clip: str, batch: int, checkpointing: bool) -> dict[str, 
     """The plan's device memory of one training step (the parts mima.training.resource_plan.make_plan
     adds for a process: weights, gradients, two AdamW moments, activations of the batch in bf16-mixed;
     its phase average and CUDA context reserve are left out, which this step does not hold)."""
-    footprint = measure_footprint(clip, "bf16-mixed", checkpointing)
-    parts = {"weights": footprint.parameter_bytes, "gradients": footprint.parameter_bytes,
-             "adamw_moments": 2 * footprint.parameter_bytes,
-             "activations": batch * footprint.activation_bytes_per_example + footprint.activation_fixed_bytes}
+    parts = step_device_bytes(measure_footprint(clip, "bf16-mixed", checkpointing), batch, mixed=True)
     return {**parts, "total": sum(parts.values())}
 
 

@@ -165,14 +165,8 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint) -> RunPlan:
     on_gpu = inputs.accelerator not in ("cpu",)
     per_process_batch = inputs.batch_size // replicas
     mixed = inputs.precision.endswith("-mixed") or inputs.precision in ("bf16", "16")
-    device = {
-        "weights": footprint.parameter_bytes,
-        "gradients": footprint.parameter_bytes,
-        "adamw_moments": 2 * footprint.parameter_bytes,
-        "phase_average": footprint.state_bytes,
-        "activations": per_process_batch * footprint.activation_bytes_per_example
-        + (footprint.activation_fixed_bytes if mixed else 0),
-    }
+    device = step_device_bytes(footprint, per_process_batch, mixed)
+    device["phase_average"] = footprint.state_bytes
     if inputs.outer_momentum:  # kept beside the phase average from one sync to the next
         device["outer_momentum"] = footprint.state_bytes
     if on_gpu:
@@ -404,6 +398,17 @@ def plan_tasks(config) -> list[str]:
         return list(BENCHMARKS[str(data.benchmark)])
     return config.datamodule().task_names
 
+
+def step_device_bytes(footprint: ModelFootprint, batch: int, mixed: bool) -> dict[str, int]:
+    """The device memory of one training step at `batch` examples: weights, gradients, AdamW's two
+    moments and the activations (with the fixed part mixed precision adds). The plan of a process
+    adds the phase average and the CUDA context to it; benchmarks/gpu_large.py measures it."""
+    return {
+        "weights": footprint.parameter_bytes,
+        "gradients": footprint.parameter_bytes,
+        "adamw_moments": 2 * footprint.parameter_bytes,
+        "activations": batch * footprint.activation_bytes_per_example + (footprint.activation_fixed_bytes if mixed else 0),
+    }
 
 def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_every: str | int | None = None,
                     device_memory: int | None = None, trainer: dict | None = None,
