@@ -117,3 +117,16 @@ def test_the_plan_counts_the_compile_time_once_and_the_compiled_step_overhead():
     assert compiled.run_s == pytest.approx(60 * compiled.step_s + COMPILE_S)
     assert eager.compile_s == 0 and eager.run_s == pytest.approx(60 * eager.step_s)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled GPU step (TorchInductor's Triton kernels)")
+def test_a_compiled_bf16_fit_on_cuda_compiles_nothing_after_its_first_segment(tmp_path, small_clip):
+    config = fit_config(tmp_path / "run", small_clip, TASKS, steps=STEPS, iterations=ITERATIONS)
+    config["trainer"].update(accelerator="gpu", precision="bf16-mixed", gradient_clip_val=1.0,
+                             callbacks=[{"class_path": "tests.test_compile.NoCompileAfterFirstSegment"}])
+    try:  # model.compile auto: on with CUDA
+        run_dir = run_fit(config).run_dir
+    finally:
+        torch.compiler.set_stance("default")
+        torch.compiler.reset()
+    assert_trained(finals(run_dir, TASKS), load_state_dict(run_dir / "pretrained.safetensors"), at_least=1e-3)

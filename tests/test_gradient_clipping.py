@@ -9,11 +9,16 @@ AdamW runs on the CPU too, which lets these checks run here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 
+from mima.commands.fit.run import run_fit
 from mima.training.module import MimaModule
+from tests.conftest import fit_config
 
 
 def _gradients(module: MimaModule, scale: float) -> list[torch.Tensor]:
@@ -50,3 +55,26 @@ def test_the_module_clips_a_fused_adamws_gradients(small_clip, algorithm, limit)
     factor = limit / (float(old_norm) + 1e-6)  # torch's clip_grad_norm_ coefficient, written out
     for old, new in zip(before, after):
         assert torch.allclose(new.double(), old.double() * factor, rtol=1e-5, atol=1e-12)
+
+
+class RecordFused(Callback):
+    """Writes whether the run's AdamW is fused (its param group's flag) to `path`, at the first step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            Path(self.path).write_text(str(trainer.optimizers[0].param_groups[0]["fused"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused AdamW is chosen on CUDA only")
+def test_a_bf16_fit_with_clipping_keeps_the_fused_adamw_on_cuda(tmp_path, small_clip):
+    record = tmp_path / "fused.txt"
+    config = fit_config(tmp_path / "run", small_clip, ["rot90", "mirror"], steps=4, iterations=2)
+    config["trainer"].update(accelerator="gpu", precision="bf16-mixed", gradient_clip_val=1.0,
+                             callbacks=[{"class_path": "tests.test_gradient_clipping.RecordFused",
+                                         "init_args": {"path": str(record)}}])
+    run_dir = run_fit(config).run_dir
+    assert record.read_text() == "True"
+    assert all((run_dir / "final" / f"{task}.safetensors").is_file() for task in ("rot90", "mirror"))
