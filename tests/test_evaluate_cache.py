@@ -206,8 +206,9 @@ def test_evaluate_from_the_cache_gives_the_image_folders_results(folder_run, tmp
     assert main(["evaluate", str(run), "--out", str(tmp_path / "folders"), "--cache", "off", *merges]) == 0
     assert not cache.exists()  # the image folders only: nothing decoded into the cache
     assert main(["evaluate", str(run), "--out", str(tmp_path / "cache"), "--cache", "on", *merges]) == 0
+    # what an evaluation reads, decoded once: the validation and test splits, not the training split
     assert sorted(path.name for path in next(cache.iterdir()).iterdir()) == [
-        f"{split}.{ext}" for split in ("test", "train", "val") for ext in ("json", "npy")]
+        f"{split}.{ext}" for split in ("test", "val") for ext in ("json", "npy")]
     folders, cached = _rows(tmp_path / "folders"), _rows(tmp_path / "cache")
     assert {(row["model"], row["task"]) for row in folders} == {
         (model, task) for model in ("zero_shot", "fine_tuned", "uniform", "task_arithmetic", "ties")

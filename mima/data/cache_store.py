@@ -306,8 +306,10 @@ def load_cached_task(
     identity: dict,
     workers: int = 0,
     progress: bool = True,
+    splits: Sequence[str] = SPLITS,
 ) -> CachedTask:
-    """The cached splits of task `spec`, built or rebuilt where missing or stale.
+    """The cached splits of task `spec`, built or rebuilt where missing or stale: `splits` of them
+    (an evaluation needs no training split, often the largest to decode and to checksum).
 
     `options` gives the root, image size, split seed and download flag; its transforms are replaced
     by the cache's. `identity` names the task's data (suite, root, custom path) for the file name."""
@@ -324,8 +326,11 @@ def load_cached_task(
     augment = train_loader.calls > 0
     key = _cache_key({"task": spec.name, **identity, "split_seed": options.split_seed, "geometry": geometry.description})
     folder = Path(cache_dir) / f"{spec.name}-{key[:16]}"
-    splits = {}
-    for split in SPLITS:
+    unknown = [split for split in splits if split not in SPLITS]
+    if unknown:
+        raise ValueError(f"unknown splits {unknown}: expected some of {SPLITS}")
+    wanted, splits = splits, {}
+    for split in wanted:
         dataset = getattr(loaded, split)
         fingerprint = _cache_key({"format": FORMAT, "key": key, "split": split, "count": len(dataset),
                                   "source": source_fingerprint(dataset)})

@@ -18,7 +18,7 @@ from mima.core.settings import takes_settings
 from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
 from mima.core.cache_dir import default_data_cache_dir
-from mima.data.cache_store import CachedTask, eval_geometry, load_cached_task
+from mima.data.cache_store import SPLITS, CachedTask, eval_geometry, load_cached_task
 from mima.data.clip_tasks import check_specs
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec
 from mima.data.settings import DataSettings
@@ -103,7 +103,7 @@ class TaskSuiteDataModule(L.LightningDataModule):
         self.task_specs: list[TaskSpec] = resolve_run_tasks(suite, tasks, folder_tasks)
         check_specs(self.task_specs, root, download)  # missing benchmark files: one line, before any training
         self._loaded: dict[tuple[str, bool], TaskData] = {}  # (task, with a training transform)
-        self._cached: dict[str, CachedTask] = {}
+        self._cached: dict[tuple[str, tuple[str, ...]], CachedTask] = {}  # (task, splits) -> its cached splits
         self.cache_progress = True  # the cache build's tqdm bar
         self._setup: TrainingSetup | None = None
         self._process: ProcessTasks | None = None
@@ -175,18 +175,21 @@ class TaskSuiteDataModule(L.LightningDataModule):
     def cache_folder(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_data_cache_dir()
 
-    def cached_task(self, name: str, image_size: int, preprocess: Callable) -> CachedTask:
-        """Task `name`'s cached splits, built (in parallel, with a progress bar) where missing or stale."""
-        if name not in self._cached:
+    def cached_task(self, name: str, image_size: int, preprocess: Callable,
+                    splits: tuple[str, ...] = SPLITS) -> CachedTask:
+        """Task `name`'s cached `splits` (default: all three), built (in parallel, with a progress bar)
+        where missing or stale."""
+        key = (name, tuple(splits))
+        if key not in self._cached:
             spec = next(spec for spec in self.task_specs if spec.name == name)
             custom = {task["name"]: task["path"] for task in self.hparams.get("custom_tasks") or []}
             identity = {"suite": self.hparams.suite, "root": self.hparams.root, "path": custom.get(name)}
             options = LoadOptions(root=self.hparams.root, image_size=image_size, split_seed=self.hparams.split_seed,
                                   download=self.hparams.download)
             workers = self.hparams.num_workers or min(4, os.cpu_count() or 1)
-            self._cached[name] = load_cached_task(spec, options, preprocess, self.cache_folder, identity, workers,
-                                                  self.cache_progress)
-        return self._cached[name]
+            self._cached[key] = load_cached_task(spec, options, preprocess, self.cache_folder, identity, workers,
+                                                 self.cache_progress, splits)
+        return self._cached[key]
 
     def build_cache(self, image_size: int, preprocess: Callable) -> list[CachedTask]:
         """`mima data cache`: every task's cached splits, built where missing or stale."""

@@ -26,6 +26,7 @@ from mima.data.cache_store import CachedSplit, NotCacheable
 from mima.data.tasks import TaskData
 from mima.evaluation.cache_use import CacheUse
 
+EVALUATED_SPLITS = ("val", "test")  # what an evaluation reads from the cache: the train split is not decoded
 HOST_BUFFERS = 2  # one filled by the reader while the device copies out of the other
 Rows = slice | np.ndarray  # a batch's rows of the cached file: a range, or sorted indices (--val-examples)
 
@@ -43,7 +44,8 @@ def cached_rows(dataset: Dataset) -> tuple[CachedSplit, np.ndarray | None] | Non
 def cached_eval_splits(data, splits: Mapping[str, TaskData], image_size: int, preprocess,
                        use: CacheUse) -> dict[str, TaskData]:
     """`splits` with each task's validation and test splits from the decoded-image cache (built where
-    missing, through `data`'s TaskSuiteDataModule.cached_task: the files `data.cache: true` reads)
+    missing, those two only, through `data`'s TaskSuiteDataModule.cached_task: the files `data.cache:
+    true` reads)
     when `use` says so; the train splits (the linear probes' data) stay as they are. A task the cache
     cannot hold keeps its own splits under CacheUse.WHERE_POSSIBLE and is one line under EVERY_TASK."""
     if use == CacheUse.OFF:
@@ -51,7 +53,7 @@ def cached_eval_splits(data, splits: Mapping[str, TaskData], image_size: int, pr
     chosen = {}
     for name, task in splits.items():
         try:
-            cached = data.cached_task(name, image_size, preprocess)
+            cached = data.cached_task(name, image_size, preprocess, splits=EVALUATED_SPLITS)
         except NotCacheable as refusal:
             if use == CacheUse.EVERY_TASK:
                 raise MimaError(f"--cache on: {refusal.reason}, which the decoded-image cache cannot hold; "
