@@ -229,3 +229,16 @@ def test_evaluate_from_the_cache_on_validation_subsets_gives_the_image_folders_r
     assert main(["evaluate", str(run), "--out", str(tmp_path / "folders"), "--cache", "off", *merges]) == 0
     assert main(["evaluate", str(run), "--out", str(tmp_path / "cache"), "--cache", "on", *merges]) == 0
     assert _rows(tmp_path / "cache") == _rows(tmp_path / "folders")
+
+
+def test_another_input_path_in_the_same_out_folder_is_another_evaluation(folder_run, tmp_path, capfd):
+    """Cells computed from the image folders are not mixed with cells from the cache (on a GPU the
+    cache path's compiled encoder may differ in the last bits): one line naming the difference."""
+    run, _ = folder_run
+    out, merges = tmp_path / "out", ["--merges", "uniform"]
+    assert main(["evaluate", str(run), "--out", str(out), "--cache", "off", *merges]) == 0
+    capfd.readouterr()
+    assert main(["evaluate", str(run), "--out", str(out), "--cache", "on", *merges]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "inputs" in err and "decoded-image cache (every task)" in err, err
+    assert main(["evaluate", str(run), "--out", str(out), "--cache", "off", *merges]) == 0  # the same path resumes

@@ -59,3 +59,14 @@ def cache_use(mode: str, device_type: str) -> CacheUse:
     if mode in CACHE_MODES:
         return CacheUse.OFF
     raise MimaError(f"--cache {mode}: expected one of {', '.join(CACHE_MODES)}")
+
+
+def manifest_entry(use: CacheUse, device_type: str) -> dict[str, str]:
+    """What an evaluation's manifest (mima.evaluation.cells) records of the input path: nothing for
+    `off` (so evaluations from before the option resume as they were), else the cache use and
+    whether the encoder is compiled (on CUDA). A later session of the same --out with another input
+    path is then another evaluation, refused in one line: a compiled encoder's features may differ in
+    their last bits, and cells of two paths would be published side by side."""
+    if use == CacheUse.OFF:
+        return {}
+    return {"inputs": f"decoded-image cache ({use.value})" + (", compiled encoder" if device_type == "cuda" else "")}

@@ -45,7 +45,7 @@ from mima.commands.evaluate.worker import Worker
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
-from mima.evaluation.cache_use import CacheUse, cache_use
+from mima.evaluation.cache_use import CacheUse, cache_use, manifest_entry
 from mima.evaluation.device import claim_device
 from mima.evaluation.results import ModelResult
 from mima.merging.engine import merge_device as resolve_merge_device
@@ -120,7 +120,8 @@ def _evaluate(evaluation: Evaluation, out_dir: Path, overwrite: bool, title: str
     if team.rank == 0:
         if store.read_manifest() is None and not overwrite:
             SweepFolder(out_dir).prepare(False)  # results of an evaluation without cells: refused as before
-        store.prepare({**evaluation.manifest(), "session": team.session}, overwrite)
+        store.prepare({**evaluation.manifest(), **manifest_entry(settings.cache, device.type), "session": team.session},
+                      overwrite)
         team.start_children()
     else:
         wait_for_session(store, team.session)
