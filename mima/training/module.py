@@ -113,7 +113,7 @@ class MimaModule(L.LightningModule):
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
                 task_lengths=None if self.hparams.mode == JOINT else self.settings.task_lengths,
-                batch_tasks=self.batch_tasks_resolved(datamodule),
+                batch_tasks=self.batch_tasks_resolved(),
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
@@ -133,13 +133,12 @@ class MimaModule(L.LightningModule):
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
         self.train()
 
-    def batch_tasks_resolved(self, datamodule) -> bool:
-        """model.batch_tasks as this process runs it: as given, or for "auto" what the plan chose."""
+    def batch_tasks_resolved(self) -> bool:
+        """model.batch_tasks as this process runs it: as given, or for "auto" what the plan chose (the
+        tasks' phase lengths are checked by the plan the data module makes: one line if they differ)."""
         if self.hparams.mode == JOINT:
             return False
         given = self.settings.batch_tasks
-        if given is True:
-            self.settings.check_batch_tasks(datamodule.task_names)  # the run's tasks known now: their budgets
         return given if isinstance(given, bool) else self.planned_batch_tasks
 
     # ------------------------------------------------------- the working model(s), by the encoder's names
@@ -238,7 +237,7 @@ class MimaModule(L.LightningModule):
     def train(self, mode: bool = True) -> MimaModule:
         """nn.Module.train, except that BatchNorm layers stay in eval mode when `batchnorm` is frozen."""
         super().train(mode)
-        if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen" and "encoder" in self._modules:
+        if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen" and getattr(self, "stacked", None) is None:
             freeze_batchnorm_statistics(self.encoder)  # (a stacked encoder has no BatchNorm layer: setup refuses one)
         return self
 
