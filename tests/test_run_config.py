@@ -33,7 +33,7 @@ MODEL_DEFAULTS = {
     "lr_schedule": "cosine", "schedule_scope": "run", "optimizer_state": "keep", "heads": "zero_shot",
     "batchnorm": "frozen", "cache_dir": None, "mode": "mima", "segment_warmup_steps": 0, "probe_shots": None,
     "grad_checkpointing": "auto", "sync_merge": "uniform", "sync_merge_args": None, "phase_schedule": "equal",
-    "phase_ratio": 2.0, "proximal_mu": 0.0, "compile": "auto",
+    "phase_ratio": 2.0, "proximal_mu": 0.0, "compile": "auto", "batch_tasks": "auto",
 }
 DATA_DEFAULTS = {
     "suite": "digits", "tasks": None, "benchmark": None, "root": None, "batch_size": 128, "eval_batch_size": 256,
@@ -61,7 +61,7 @@ def test_a_run_folder_written_before_this_change_still_loads():
     assert config.model_args() == {**raw["model"], "quick_gelu": "auto", "mode": "mima", "segment_warmup_steps": 0,
                                     "probe_shots": None, "grad_checkpointing": "auto", "sync_merge": "uniform", "sync_merge_args": None,
                                     "phase_schedule": "equal", "phase_ratio": 2.0, "proximal_mu": 0.0,
-                                    "compile": "auto"}  # added since: defaults
+                                    "compile": "auto", "batch_tasks": "auto"}  # added since: defaults
     assert config.data_args() == {**raw["data"], "cache": False, "cache_dir": None, "benchmark": None}  # options added since
     assert config.seed == raw["seed_everything"] and config.other["trainer"] == raw["trainer"]
 

@@ -44,6 +44,9 @@ ADDED_LATER = {
     # "auto" is eager on the CPU, as every run before the option was; a GPU run written before it (eager)
     # and resumed with "auto" compiles from the resume on: say --model.compile false to keep it eager
     "model.compile": "auto",
+    # every run before the option stepped its tasks one after another: "auto" is off on the CPU, and a
+    # resume's state says how the run stepped (MimaModule refuses a resume that would step otherwise)
+    "model.batch_tasks": "auto",
 }
 # Keys that may change only where the layout check passes (the same number of processes, for now).
 LAYOUT = frozenset({"trainer.devices", "trainer.num_nodes"})

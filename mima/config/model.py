@@ -112,6 +112,16 @@ class ModelSettings:
             At batch 128 a ViT-B/32 step is bound by kernel launches, which compiling removes (1.9x on
             an H200). Compiled kernels round differently from eager ones: a compiled run is as
             reproducible as an eager one, but not bit-identical to it (docs/configuration.md).
+        batch_tasks: step the tasks a process holds together, as one model (mima.models.stacked): their
+            weights stacked along a task dimension, one vmap'ed forward over a batch per task, one AdamW
+            over the stacked weights (each task's learning rate, moments and gradient clipping its own),
+            instead of one task after another. A phase then takes K process steps, not K per task. The
+            task models equal those of the one-after-another schedule on the same batches up to
+            rounding (tests/test_batch_tasks.py states the tolerance), not bit for bit. true, false, or
+            "auto" (default): on where `mima fit`'s plan finds both on a CUDA GPU and the stacked models'
+            memory fitting it, off on the CPU. Needs the process's tasks to have the same phase lengths;
+            true refuses mode joint, proximal_mu > 0, batchnorm train, grad_checkpointing true and
+            compile true (auto turns off there). A resume keeps the run's value.
     """
 
     clip: str = "ViT-B-32"
@@ -138,6 +148,7 @@ class ModelSettings:
     phase_ratio: float = 2.0
     proximal_mu: float = 0.0
     compile: bool | Literal["auto"] = "auto"
+    batch_tasks: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         self.check_ranges()
@@ -150,10 +161,31 @@ class ModelSettings:
         if self.mode == JOINT and self.proximal_mu:
             raise MimaError("model.proximal_mu: the joint baseline has no phases, so no phase start to pull towards; "
                             "leave it 0")
+        if self.batch_tasks is True:
+            self.check_batch_tasks(names)
         if self.segment_warmup_steps < 0 or self.segment_warmup_steps > shortest:
             raise MimaError(
                 f"model.segment_warmup_steps must be in 0 .. K = {shortest} (steps per phase, the shortest), got {self.segment_warmup_steps}"
             )
+
+    def batch_tasks_conflict(self, tasks: list[str]) -> str | None:
+        """Why this run's tasks cannot be stepped together (model.batch_tasks), or None if they can."""
+        settings = [("mode", self.mode == JOINT, "the joint baseline trains one model already"),
+                    ("proximal_mu", bool(self.proximal_mu), "the proximal term is not stacked yet"),
+                    ("batchnorm", self.batchnorm == "train", "BatchNorm statistics are shared by the stacked models"),
+                    ("grad_checkpointing", self.grad_checkpointing is True, "not under vmap yet"),
+                    ("compile", self.compile is True, "the stacked forward is not compiled yet")]
+        for name, conflicts, why in settings:
+            if conflicts:
+                return f"model.{name}={getattr(self, name)} ({why})"
+        if len(set(self.task_lengths(tasks))) > 1:
+            return "model.steps gives the tasks different phase lengths (the stacked tasks step together)"
+        return None
+
+    def check_batch_tasks(self, tasks: list[str]) -> None:
+        conflict = self.batch_tasks_conflict(tasks)
+        if conflict is not None:
+            raise MimaError(f"model.batch_tasks=true does not go with {conflict}; set model.batch_tasks false (or auto)")
 
     def check_ranges(self) -> None:
         """Each number against its range (mima.core.settings.VALUE_RANGES): before any is computed with."""

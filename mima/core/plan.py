@@ -14,6 +14,12 @@ phase (or its own geometric lengths), so a phase of a process holds K_a steps of
 of task b, ...; every task still takes its N segments from the same N phase averages, and its
 per-task step runs 0 .. S_t - 1. One number S is the same as a map giving every task S.
 
+Batched (`model.batch_tasks`, `batched=True`): the process's tasks step together as one stacked
+model, so process step g advances every local task by one per-task step: g walks
+phase 0 (K steps) | phase 1 | ..., every slot's segment ends with its phase, and g is the per-task
+step. That needs the process's tasks to have the same phase lengths. A batched step has no single
+task slot: `position` refuses, `positions` gives each slot's, `phase_of` the phase.
+
 Phase lengths (`model.phase_schedule`): "equal" gives every phase K = S / N steps (paper 001);
 "geometric" makes each phase `ratio` times as long as the one before (ratio > 1: short phases
 first, syncing often early; ratio < 1: the reverse), K_i proportional to ratio^i, rounded so that
@@ -130,6 +136,7 @@ class PhasePlan:
     iterations: int
     lengths: tuple[int, ...] = ()  # K_1 .. K_N (phase_lengths); empty: equal phases
     task_lengths: tuple[tuple[int, ...], ...] = ()  # per run task (task_phase_lengths); empty: all `lengths`
+    batched: bool = False  # model.batch_tasks: every process step advances all local tasks together
     # derived from the above: each task's step and this process's step at which each phase starts,
     # and where each slot's segment starts inside each phase (process steps from the phase start)
     task_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -152,6 +159,16 @@ class PhasePlan:
         if not self.local_tasks:
             raise MimaError("this process owns no task")
         object.__setattr__(self, "task_starts", _running_sums(self.lengths))
+        if self.batched:
+            local_lengths = {self.task_lengths[task] for task in self.local_tasks}
+            if len(local_lengths) > 1:
+                raise MimaError("model.batch_tasks: the tasks of a process step together, so they need the same phase "
+                                f"lengths, but model.steps gives them {sorted(map(list, local_lengths))}; give every "
+                                "task the same budget or set model.batch_tasks false")
+            lengths = next(iter(local_lengths))
+            object.__setattr__(self, "slot_starts", tuple((0,) * (len(self.local_tasks) + 1) for _ in lengths))
+            object.__setattr__(self, "process_starts", _running_sums(lengths))
+            return
         # a phase holds phase_length(task, phase) steps of each of the process's tasks, in slot order
         slot_starts = tuple(_running_sums([self.task_lengths[task][phase] for task in self.local_tasks])
                             for phase in range(self.iterations))
@@ -204,15 +221,30 @@ class PhasePlan:
         """Optimiser steps this process takes over the whole run."""
         return self.process_starts[-1]
 
-    def position(self, step: int) -> StepPosition:
-        """Where process step `step` (0-based) falls."""
+    def phase_of(self, step: int) -> int:
+        """The phase process step `step` (0-based) belongs to."""
         if not 0 <= step < self.local_steps:
             raise IndexError(f"step {step} outside the plan's {self.local_steps} steps")
-        phase = bisect.bisect_right(self.process_starts, step) - 1
+        return bisect.bisect_right(self.process_starts, step) - 1
+
+    def position(self, step: int) -> StepPosition:
+        """Where process step `step` (0-based) falls (one task's step; a batched plan has none: `positions`)."""
+        if self.batched:
+            raise RuntimeError("a batched plan's step belongs to every local task: use PhasePlan.positions")
+        phase = self.phase_of(step)
         offset = step - self.process_starts[phase]
         slot = bisect.bisect_right(self.slot_starts[phase], offset) - 1
+        return self._slot_position(phase, slot, offset - self.slot_starts[phase][slot])
+
+    def positions(self, step: int) -> list[StepPosition]:
+        """Each task step process step `step` takes: one per local slot when batched, else the one."""
+        if not self.batched:
+            return [self.position(step)]
+        phase = self.phase_of(step)
+        return [self._slot_position(phase, slot, step - self.process_starts[phase]) for slot in range(len(self.local_tasks))]
+
+    def _slot_position(self, phase: int, slot: int, step_in_phase: int) -> StepPosition:
         task = self.local_tasks[slot]
-        step_in_phase = offset - self.slot_starts[phase][slot]
         return StepPosition(
             phase=phase,
             slot=slot,
@@ -224,13 +256,13 @@ class PhasePlan:
         )
 
     def ends_segment(self, step: int) -> bool:
-        """True if step `step` is a task's last step of a phase."""
-        position = self.position(step)
+        """True if step `step` is a task's last step of a phase (batched: every task's, the phase's end)."""
+        position = self.positions(step)[-1]
         return position.step_in_phase == position.phase_length - 1
 
     def ends_phase(self, step: int) -> bool:
         """True if step `step` is the last step of a phase on this process (time to synchronise)."""
-        position = self.position(step)
+        position = self.positions(step)[-1]
         return position.slot == len(self.local_tasks) - 1 and position.step_in_phase == position.phase_length - 1
 
 
@@ -243,10 +275,10 @@ def _running_sums(values: Sequence[int]) -> tuple[int, ...]:
 
 
 def plan_for_budgets(tasks: Sequence[str], local_tasks: Sequence[int], task_lengths: Sequence[Sequence[int]],
-                     iterations: int) -> PhasePlan:
+                     iterations: int, batched: bool = False) -> PhasePlan:
     """The PhasePlan of a process whose run's tasks have the phase lengths `task_lengths` (task_phase_lengths):
     with one budget for every task exactly the plan of that budget."""
     task_lengths = tuple(tuple(lengths) for lengths in task_lengths)
     longest = max(task_lengths, key=sum)
     return PhasePlan(tasks=tuple(tasks), local_tasks=tuple(local_tasks), total_steps=sum(longest), iterations=iterations,
-                     lengths=longest, task_lengths=() if len(set(task_lengths)) == 1 else task_lengths)
+                     lengths=longest, task_lengths=() if len(set(task_lengths)) == 1 else task_lengths, batched=batched)

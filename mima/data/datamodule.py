@@ -50,6 +50,7 @@ class TrainingSetup:
     accumulate: int = 1  # trainer.accumulate_grad_batches: micro-batches of data.batch_size per optimiser step
     # the run's task names -> each task's K_1 .. K_N (ModelSettings.task_lengths); None: S / N for every task
     task_lengths: Callable[[Sequence[str]], tuple[tuple[int, ...], ...]] | None = None
+    batch_tasks: bool = False  # model.batch_tasks as resolved: every step holds a batch of every local task
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class TaskSuiteDataModule(L.LightningDataModule):
                 task_lengths = (phase_lengths(setup.steps, setup.iterations),) * len(self.task_specs)
             # tasks are dealt by their budgets (mima.core.layout.deal_tasks), whoever made the layout
             layout = TaskLayout(layout.num_tasks, layout.world_size, tuple(map(sum, task_lengths)))
-            plan = plan_for_budgets(self.task_names, layout.local_tasks(setup.rank), task_lengths, setup.iterations)
+            plan = plan_for_budgets(self.task_names, layout.local_tasks(setup.rank), task_lengths, setup.iterations,
+                                    batched=setup.batch_tasks)
             head_tasks = plan.local_tasks
         self._setup = setup
         self._process = ProcessTasks(
@@ -249,8 +251,10 @@ class TaskSuiteDataModule(L.LightningDataModule):
         # batch): its random crop comes from it, on the device (cached) or in the loader (per image),
         # never from a worker's global RNG, so batches are the same at any W, any worker count and
         # after a resume.
-        if process.mode == JOINT:
-            sampler = JointBatchSampler(names, sizes, process.plan.total_steps, batch_size, seed, start, process.shard,
+        if process.mode == JOINT or process.plan.batched:
+            # batched (model.batch_tasks): process step g is every local task's step g, and task t's part of it
+            # is the batch it gets at its own step g one after another: the joint baseline's batches
+            sampler = JointBatchSampler(names, sizes, process.plan.local_steps, batch_size, seed, start, process.shard,
                                         setup.accumulate, draws=True)
         else:
             sampler = PhaseBatchSampler(process.plan, sizes, batch_size, seed, start, process.shard, setup.accumulate,

@@ -166,6 +166,8 @@ class PhaseBatchSampler(Sampler[list[tuple[int, int]]]):
     ) -> None:
         if len(train_sizes) != len(plan.local_tasks):
             raise ValueError("one training-set size per local task is needed")
+        if plan.batched:
+            raise ValueError("a batched plan takes a batch of every local task per step: JointBatchSampler")
         self.plan, self.start_step, self.accumulate = plan, start_step, accumulate
         self.seed, self.draws = seed, draws  # draws: yield (slot, example, draw seed) triples
         self.batch_size = batch_size * accumulate  # examples per optimiser step

@@ -192,7 +192,7 @@ class MimaCheckpoint(Checkpoint):
         # stopped at the sync that just ran (by a request or another process's divergence): the replicas
         # saw the same decision there; a divergence of this process's own goes to them in at_step
         stopped_at_sync = self.stop.stopped_by is not None or (self.stop.divergence is not None and not self.stop.diverged_here)
-        stopping = stopped_at_sync or self.stop.at_step(plan.position(step).phase)
+        stopping = stopped_at_sync or self.stop.at_step(plan.phase_of(step))
         if (stopping or scheduled) and not self.stop.diverged_here:
             self.save(trainer, pl_module)
         self.tidy(trainer)
@@ -246,7 +246,7 @@ class MimaCheckpoint(Checkpoint):
             ends_segment = at_sync = step % period == 0
             ended_phase = step // period - 1
         else:
-            ended_phase = plan.position(step - 1).phase
+            ended_phase = plan.phase_of(step - 1)
             ends_segment = plan.ends_segment(step - 1)
             # the sync ran (not left pending by a stop): then every process has just run it and is here
             at_sync = plan.ends_phase(step - 1) and self.phase_state.avg_phase == ended_phase
@@ -282,7 +282,7 @@ class MimaCheckpoint(Checkpoint):
         plan, step = pl_module.plan, trainer.global_step - 1  # the step that just ended
         bad = self.phase_state.nonfinite
         if bad is not None:
-            task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.position(bad.step).task_index]
+            task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.local_tasks[bad.slot]]
             what, step = bad.nonfinite_part(), bad.step
         else:
             key = nonfinite_key(pl_module.state_dict())
@@ -292,9 +292,10 @@ class MimaCheckpoint(Checkpoint):
             if key is None:
                 self.healthy_at = trainer.global_step
                 return True
-            task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.position(step).task_index]
+            task = JOINT if pl_module.hparams.mode == JOINT else "+".join(plan.tasks[position.task_index]
+                                                                          for position in plan.positions(step))
             what = f"non-finite {key}"
-        phase = plan.position(min(trainer.global_step, plan.local_steps - 1)).phase
+        phase = plan.phase_of(min(trainer.global_step, plan.local_steps - 1))
         self.stop.diverge(phase, divergence_report(task, what, step, trainer.global_rank, trainer.world_size))
         return False
 
@@ -308,9 +309,11 @@ class MimaCheckpoint(Checkpoint):
         checkpoint = process_state(trainer, pl_module)
         plan = pl_module.plan
         step = trainer.global_step
-        phase = plan.position(step).phase
+        phase = plan.phase_of(step)
         checkpoint["mima"] = {"run": self.run_start.identity, "rank": trainer.global_rank, "phase": phase, "rng": capture_rng(),
                               "phase_state": self.phase_state.state_dict()}
+        if plan.batched:  # model.batch_tasks: the state holds the stacked models (MimaModule checks a resume's)
+            checkpoint["mima"]["batch_tasks"] = True
         inline = pl_module.hparams.mode == JOINT or not self._compact(trainer, pl_module, checkpoint)
         path = self.files.state(trainer.global_rank, phase, step)
         record = StateRecord(path, phase, step, frozenset(references(checkpoint)))

@@ -159,6 +159,10 @@ def redealt_state(redeal: Redeal, rank: int, run_dir: Path, module, accumulate: 
 
     template = torch.load(redeal.template, map_location="cpu", weights_only=True)
     plan, hp = module.plan, module.hparams
+    if plan.batched or template.get("mima", {}).get("batch_tasks"):
+        # a batched state holds the stacked task models and their moments, not the per-task files a redeal reads
+        raise MimaError("model.batch_tasks: a run whose tasks step together resumes on its own number of processes "
+                        f"only ({redeal.source_world_size}); resume with that many")
     local = redeal.layout.local_tasks(rank)
     prefix = redeal.prefixes[rank]
     pending = prefix == len(local)  # every task of this process finished: its sync runs first

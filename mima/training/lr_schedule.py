@@ -34,7 +34,7 @@ def lr_factor(
     `segment_warmup` steps of every task segment (each phase's fresh fine-tune from the average),
     on top of the run's own warm-up."""
     step = min(process_step, plan.local_steps - 1)  # Lightning evaluates one step past the end
-    position = plan.position(step)
+    position = plan.positions(step)[0]  # batched (model.batch_tasks): every slot is at the same task step
     if scope == "run":
         local_step, total = position.task_step, position.task_budget  # this task's S_t
     else:

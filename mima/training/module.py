@@ -20,11 +20,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT
-from mima.models.batchnorm import freeze_batchnorm_statistics
+from mima.models.batchnorm import BATCHNORM_CLASSES, freeze_batchnorm_statistics
 from mima.models.classifier import classify
 from mima.core.cache_dir import cache_dir_or_default
 from mima.models.clip import LoadedClip, load_clip
 from mima.models.heads import task_heads
+from mima.models.stacked import StackedEncoder, clip_per_task, per_task_norms
 from mima.core.layout import TaskLayout
 from mima.training.lr_schedule import lr_factor
 from mima.training.plan_choices import choose_compile
@@ -87,6 +88,10 @@ class MimaModule(L.LightningModule):
         # when the compiled encoder's first batch started (that step compiles), until the time is reported
         self.first_batch_started: float | None = None
         self.compile_reported = False
+        # model.batch_tasks "auto" as `mima fit`'s plan settled it (a plain Trainer: off)
+        self.planned_batch_tasks = False
+        self.stacked: StackedEncoder | None = None  # the process's task models, with model.batch_tasks
+        self.state_keys: list[str] = list(self.theta_0)  # the encoder's state_dict names (what files hold)
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -108,6 +113,7 @@ class MimaModule(L.LightningModule):
                 mode=self.hparams.mode,
                 accumulate=self.trainer.accumulate_grad_batches,
                 task_lengths=None if self.hparams.mode == JOINT else self.settings.task_lengths,
+                batch_tasks=self.batch_tasks_resolved(),
             )
         )
         self.layout, self.plan, self.replica = self.tasks.layout, self.tasks.plan, self.tasks.shard
@@ -116,8 +122,72 @@ class MimaModule(L.LightningModule):
             self.register_buffer(f"head_{slot}", head, persistent=False)
         self._text.value = None  # the text tower is no longer needed
         self.encoder.requires_grad_(True)
+        if self.plan.batched:
+            if any(isinstance(module, BATCHNORM_CLASSES) for module in self.encoder.modules()):
+                raise MimaError(f"model.batch_tasks: the image tower of {self.settings.clip} has BatchNorm layers, whose "
+                                "frozen statistics the stacked forward does not keep yet; set model.batch_tasks false")
+            # the task models are the stack's slices; the encoder's module is only the code they run
+            # (kept by the stack on the meta device), so no stale copy of the weights is left to read
+            self.stacked = StackedEncoder(self.encoder, len(self.plan.local_tasks))
+            del self.encoder
         # open_clip returns models in eval mode and Lightning keeps module modes as they are.
         self.train()
+
+    def batch_tasks_resolved(self) -> bool:
+        """model.batch_tasks as this process runs it: as given, or for "auto" what the plan chose (the
+        tasks' phase lengths are checked by the plan the data module makes: one line if they differ)."""
+        if self.hparams.mode == JOINT:
+            return False
+        given = self.settings.batch_tasks
+        return given if isinstance(given, bool) else self.planned_batch_tasks
+
+    # ------------------------------------------------------- the working model(s), by the encoder's names
+    @property
+    def batched(self) -> bool:
+        return self.stacked is not None
+
+    def working_state(self, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Slot `slot`'s working weights as the encoder's state_dict names them (views, not copies):
+        the encoder's own state dict, or with model.batch_tasks the stack's slice plus its buffers."""
+        if self.stacked is None:
+            return self.encoder.state_dict()
+        weights = self.stacked.copy_state(slot)
+        buffers = {name: getattr(self.stacked, name.replace(".", "/")) for name in self.stacked.buffer_names}
+        return {key: weights[key] if key in weights else buffers[key] for key in self.state_keys}
+
+    @torch.no_grad()
+    def load_working(self, state: dict[str, torch.Tensor]) -> None:
+        """Every working model starts from `state` (a phase's start point), in place."""
+        if self.stacked is None:
+            current = self.encoder.state_dict()
+            for key, value in state.items():
+                current[key].copy_(value)
+            return
+        names = set(self.stacked.names)
+        self.stacked.load_every_copy(state)
+        for key, value in state.items():
+            if key not in names:
+                getattr(self.stacked, key.replace(".", "/")).copy_(value)
+
+    def trained_names(self) -> set[str]:
+        """The encoder's trained parameters' names."""
+        if self.stacked is not None:
+            return set(self.stacked.names)
+        return {name for name, param in self.encoder.named_parameters() if param.requires_grad}
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimiser steps: the encoder's parameters, or the stacked ones."""
+        if self.stacked is not None:
+            return list(self.stacked.stacked.values())
+        return [p for p in self.encoder.parameters() if p.requires_grad]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # a state stepped the other way has other tensors (stacked or not) and rounds otherwise
+        saved = bool(checkpoint.get("mima", {}).get("batch_tasks", False))
+        if self.plan is not None and self.hparams.mode != JOINT and saved != self.plan.batched:
+            raise MimaError(f"model.batch_tasks: the run was trained with its tasks {_stepping(saved)}, and this resume "
+                            f"would step them {_stepping(self.plan.batched)}; resume with --model.batch_tasks "
+                            f"{str(saved).lower()}")
 
     def on_fit_start(self) -> None:
         # Each sync copies theta_0's trained tensors to the device for the cosine diagnostics: from
@@ -125,7 +195,8 @@ class MimaModule(L.LightningModule):
         if self.device.type == "cuda":
             self.theta_0 = {key: value.pin_memory() for key, value in self.theta_0.items()}
         # Lightning turns torch's deterministic algorithms on for `trainer.deterministic: true`
-        if choose_compile(self.settings.compile, self.device.type == "cuda", torch.are_deterministic_algorithms_enabled()).value:
+        if self.stacked is None and choose_compile(self.settings.compile, self.device.type == "cuda",
+                                                   torch.are_deterministic_algorithms_enabled()).value:
             self.compile_encoder()
 
     def compile_encoder(self) -> None:
@@ -166,8 +237,8 @@ class MimaModule(L.LightningModule):
     def train(self, mode: bool = True) -> MimaModule:
         """nn.Module.train, except that BatchNorm layers stay in eval mode when `batchnorm` is frozen."""
         super().train(mode)
-        if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen":
-            freeze_batchnorm_statistics(self.encoder)
+        if mode and getattr(self, "hparams", {}).get("batchnorm") == "frozen" and getattr(self, "stacked", None) is None:
+            freeze_batchnorm_statistics(self.encoder)  # (a stacked encoder has no BatchNorm layer: setup refuses one)
         return self
 
     def head(self, slot: int) -> torch.Tensor:
@@ -185,6 +256,8 @@ class MimaModule(L.LightningModule):
         batch = self._prepared(batch)
         if self.hparams.mode == JOINT:
             return self._joint_step(batch)
+        if self.stacked is not None:
+            return self._batched_step(batch)
         images, labels, slots = batch
         position = self.plan.position(self.global_step)
         self._check_slots(slots, position)
@@ -220,6 +293,27 @@ class MimaModule(L.LightningModule):
                 raise RuntimeError(f"a batch of the segment ending at step {self.global_step} does not belong to task slot "
                                    f"{position.slot}")
 
+    def _batched_step(self, batch) -> dict:
+        """model.batch_tasks: one batch per local task (the batch sampler yields them slot after slot),
+        each through its own stacked model and frozen head; the optimiser minimises the sum of the
+        tasks' losses, whose gradient in slice t is task t's own. The per-task losses are kept
+        (divided by the micro-batch count, as Lightning divides "loss") for logging per task."""
+        images, labels, slots = batch
+        copies = self.stacked.copies
+        images, labels = images.view(copies, -1, *images.shape[1:]), labels.view(copies, -1)
+        expected = torch.arange(copies, device=slots.device).view(-1, 1)
+        wrong = (slots.view(copies, -1) != expected).any()
+        self.wrong_slot = wrong if self.wrong_slot is None else self.wrong_slot | wrong
+        if self.plan.ends_segment(self.global_step):
+            mismatch, self.wrong_slot = bool(self.wrong_slot), None
+            if mismatch:
+                raise RuntimeError(f"a batch of the phase ending at step {self.global_step} is not one per task slot in "
+                                   "slot order")
+        features = self.stacked(images)
+        losses = torch.stack([F.cross_entropy(classify(torch.nn.Identity(), self.head(slot), features[slot]), labels[slot])
+                              for slot in range(copies)])
+        return {"loss": losses.sum(), "task_loss": losses.detach() / self.trainer.accumulate_grad_batches}
+
     def _joint_step(self, batch) -> torch.Tensor:
         """One forward pass over every task's batch; the mean over tasks of each task's cross-entropy."""
         images, labels, slots = batch
@@ -240,7 +334,7 @@ class MimaModule(L.LightningModule):
                                  hp.segment_warmup_steps)
 
     def configure_optimizers(self):
-        params = [p for p in self.encoder.parameters() if p.requires_grad]
+        params = self.trained_parameters()
         optimizer = torch.optim.AdamW(
             params,
             lr=self.hparams.lr,
@@ -259,7 +353,15 @@ class MimaModule(L.LightningModule):
         """Lightning's clipping, except with a fused AdamW: Lightning's mixed precision refuses to clip
         for any fused optimiser (for a gradient scaler's sake), but a fused AdamW is chosen only where
         no scaler runs (_fuse_adamw), so its gradients are the true ones: clipped here with the same
-        torch function over the same parameters."""
+        torch function over the same parameters. With model.batch_tasks each task's gradients are
+        clipped to the norm on their own (mima.models.stacked.clip_per_task), as one after another."""
+        if gradient_clip_val and self.stacked is not None:
+            params = self.trained_parameters()
+            if gradient_clip_algorithm == "value":  # element by element: per task already
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                clip_per_task(params, gradient_clip_val)
+            return
         if not gradient_clip_val or not any(group.get("fused") for group in optimizer.param_groups):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -295,6 +397,18 @@ class MimaModule(L.LightningModule):
         elif bar is RichProgressBar:
             callbacks.append(MimaRichProgressBar(phase_state))
         return callbacks
+
+
+def _stepping(batched: bool) -> str:
+    return "together (batched)" if batched else "one after another"
+
+
+def task_grad_norms(module: MimaModule, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The norm of each task's gradients (batched: one per slot, [L]; else the one, a scalar), or None."""
+    if module.stacked is not None:
+        return per_task_norms(module.trained_parameters())
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
 def _fuse_adamw(params: list[torch.nn.Parameter], trainer: L.Trainer) -> bool | None:

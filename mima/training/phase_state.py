@@ -236,7 +236,7 @@ class StepLosses:
     def __init__(self) -> None:
         self.pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, slot, micro-batch losses)
         self.micro_batches: list[torch.Tensor] = []  # of the running step
-        self.grad_norms: dict[int, torch.Tensor] = {}  # step -> its gradient norm (under clipping only)
+        self.grad_norms: dict[tuple[int, int], torch.Tensor] = {}  # (step, slot) -> its gradient norm (under clipping)
         self.grad_norm: torch.Tensor | None = None  # of the running step
 
     def add_micro_batch(self, loss: torch.Tensor) -> None:
@@ -250,26 +250,36 @@ class StepLosses:
         self.pending.append((step, slot, self.micro_batches))
         self.micro_batches = []
         if self.grad_norm is not None:
-            self.grad_norms[step] = self.grad_norm
+            self.grad_norms[(step, slot)] = self.grad_norm
             self.grad_norm = None
+
+    def end_batched_step(self, step: int, slots: int) -> None:
+        """A step of `slots` tasks at once (model.batch_tasks): every micro-batch loss, and the gradient
+        norm, holds one value per slot ([slots]); each slot's becomes a step loss of its own."""
+        for slot in range(slots):
+            self.pending.append((step, slot, [loss[slot] for loss in self.micro_batches]))
+            if self.grad_norm is not None:
+                self.grad_norms[(step, slot)] = self.grad_norm[slot]
+        self.micro_batches, self.grad_norm = [], None
 
     def settle(self) -> list[StepLoss]:
         """The pending steps' losses as floats. Summed on the host in float64, micro-batch by
         micro-batch, as `float(loss)` per micro-batch summed them: the logged values stay the same."""
         if not self.pending:
             return []
-        norms = [self.grad_norms[step] for step, _, _ in self.pending if step in self.grad_norms]
+        measured = [(step, slot) for step, slot, _ in self.pending if (step, slot) in self.grad_norms]
+        norms = [self.grad_norms[key] for key in measured]
         # one device-to-host copy for the losses and the gradient norms (after them)
         flat = torch.stack([loss.float() for _, _, losses in self.pending for loss in losses]
                            + [norm.float() for norm in norms]).tolist()
-        read_norms = dict(zip((step for step, _, _ in self.pending if step in self.grad_norms), flat[len(flat) - len(norms):]))
+        read_norms = dict(zip(measured, flat[len(flat) - len(norms):]))
         settled, index = [], 0
         for step, slot, losses in self.pending:
             total = 0.0
             for value in flat[index:index + len(losses)]:
                 total += value
             index += len(losses)
-            settled.append(StepLoss(step, slot, total, read_norms.get(step)))
+            settled.append(StepLoss(step, slot, total, read_norms.get((step, slot))))
         self.pending, self.grad_norms = [], {}
         return settled
 
@@ -329,6 +339,8 @@ class PhaseState:
         tensors of this state: ("avg", slot whose kept moments the optimiser holds, or None) at the
         start of a segment; (slot, None) at a pending sync (the last segment's end weights); None
         inside a segment."""
+        if plan.batched:
+            return None  # the stacked models and their moments are saved as they are (no per-slot files yet)
         if self.pending_sync:
             return len(plan.local_tasks) - 1, None
         if step >= plan.local_steps or not plan.position(step).starts_segment:

@@ -124,6 +124,26 @@ def choose_compile(given: bool | str, on_gpu: bool, deterministic: bool = False)
     return Choice(True, True, "on a GPU: a compiled step launches fewer kernels")
 
 
+def choose_batch_tasks(given: bool | str, on_gpu: bool, conflict: str | None, need_batched: int | None,
+                       device_memory: int | None) -> Choice:
+    """model.batch_tasks: as given, or for "auto" on only on a GPU where the run's options allow it
+    (`conflict`: ModelSettings.batch_tasks_conflict) and the plan's memory with the stacked task
+    models (`need_batched`) fits the GPU with MEMORY_MARGIN to spare."""
+    if given is True or given is False:
+        return Choice(given, False, "given")
+    if not on_gpu:
+        return Choice(False, True, "on the CPU")
+    if conflict is not None:
+        return Choice(False, True, f"{conflict}")
+    if device_memory is None or need_batched is None:
+        return Choice(False, True, "the GPU's memory is unknown here (mima plan --device-memory GIB)")
+    share = need_batched / device_memory
+    if share <= 1 - MEMORY_MARGIN:
+        return Choice(True, True, f"the stacked task models need {share:.0%} of the GPU's memory")
+    return Choice(False, True, f"the stacked task models would need {share:.0%} of the GPU's memory "
+                  f"(over {1 - MEMORY_MARGIN:.0%})")
+
+
 def choose_grad_checkpointing(given: bool | str, on_gpu: bool, need_without: int, device_memory: int | None) -> Choice:
     """model.grad_checkpointing: as given, or for "auto" on only where the memory without it does not
     fit the GPU with MEMORY_MARGIN to spare."""

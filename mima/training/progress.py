@@ -31,9 +31,9 @@ def mima_metrics(items: dict[str, int | str | float], trainer: pl.Trainer, pl_mo
     items.pop("v_num", None)
     plan = getattr(pl_module, "plan", None)  # MimaModule's, once set up
     if plan is not None:
-        position = plan.position(min(trainer.global_step, plan.local_steps - 1))
-        items["phase"] = f"{position.phase + 1}/{plan.iterations}"
-        items["task"] = plan.tasks[position.task_index]
+        positions = plan.positions(min(trainer.global_step, plan.local_steps - 1))
+        items["phase"] = f"{positions[0].phase + 1}/{plan.iterations}"
+        items["task"] = _task_names(plan, positions)
     loss = phase_state.shown_loss if phase_state is not None else None
     if loss is not None:
         items["loss"] = round(loss, 4)
@@ -116,8 +116,9 @@ class MimaLogLines(ProgressBar):
         total = plan.local_steps if plan is not None else trainer.estimated_stepping_batches
         where = ""
         if plan is not None:
-            position = plan.position(min(step, plan.local_steps) - 1)
-            where = (f"phase {position.phase + 1}/{plan.iterations}, {plan.tasks[position.task_index]} "
+            positions = plan.positions(min(step, plan.local_steps) - 1)
+            position = positions[0]
+            where = (f"phase {position.phase + 1}/{plan.iterations}, {_task_names(plan, positions)} "
                      f"{position.step_in_phase + 1}/{position.phase_length} steps; ")
         facts = [f"process step {step}/{total} ({100 * step / total:.0f} %)"]
         loss = self.phase_state.shown_loss if self.phase_state is not None else None
@@ -129,5 +130,10 @@ class MimaLogLines(ProgressBar):
         return f"mima fit: {where}{', '.join(facts)}"
 
 def _segment(plan, step: int) -> tuple[int, int]:
-    position = plan.position(step)
+    position = plan.positions(step)[0]  # batched: one segment per phase
     return position.phase, position.slot
+
+
+def _task_names(plan, positions) -> str:
+    """The task (or, batched, the tasks) a step trains."""
+    return "+".join(plan.tasks[position.task_index] for position in positions)

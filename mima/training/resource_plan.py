@@ -45,9 +45,12 @@ from mima.models.footprint import ModelFootprint, safetensors_file_bytes
 from mima.training.checkpoint_callback import SaveSchedule, capture_rng
 from mima.training.sync_merge import OUTER_DEFAULTS, OUTER_NESTEROV
 from mima.training.plan_choices import (
+    COMPILED_STEP_OVERHEAD_S,
+    STEP_OVERHEAD_S,
     Choice,
     StepTiming,
     as_json,
+    choose_batch_tasks,
     choose_checkpoint_every,
     choose_compile,
     choose_grad_checkpointing,
@@ -452,6 +455,34 @@ def plan_for_config(config, world_size: int, num_nodes: int = 1, checkpoint_ever
                      choices=(("grad_checkpointing", checkpointing), ("compile", compiling), ("checkpoint_every", schedule)))
     plan = make_plan(inputs, footprint)
     plan.notes += settings.schedule_notes(tasks)  # printed by `mima plan` and at `mima fit` start alike
+    if not joint and on_gpu:  # model.batch_tasks: both layouts' memory and step time, and what "auto" takes
+        stacked = batched_layout(plan, footprint, inputs, tasks, world_size)
+        conflict = settings.batch_tasks_conflict(tasks)
+        choice = choose_batch_tasks(settings.batch_tasks, on_gpu, conflict, stacked["device_memory_per_process"],
+                                    inputs.device_memory_bytes)
+        plan.choices["batch_tasks"] = as_json(choice=choice)["choice"]
+        plan.notes.append(stacked["line"])
+    return plan, footprint, inputs
+
+
+def batched_layout(plan: RunPlan, footprint: ModelFootprint, inputs: PlanInputs, tasks: list[str],
+                   world_size: int) -> dict:
+    """model.batch_tasks on a GPU: the device memory of a process whose L tasks step as one stacked
+    model (L copies of the weights, gradients and AdamW moments, L batches' activations: the
+    one-after-another layout's plus L - 1 of each) and its step time (L batches' FLOPs in one step
+    with one step's overhead, K steps per phase instead of L K), beside the one-after-another ones."""
+    copies = -(-len(tasks) // world_size)  # the most tasks a process holds
+    parts = plan.device_memory_parts
+    extra = parts["weights"] + parts["gradients"] + parts["adamw_moments"] + parts["activations"]
+    need = plan.device_memory_per_process + (copies - 1) * extra
+    line = (f"model.batch_tasks: one after another {gib(plan.device_memory_per_process)} per process; "
+            f"{copies} tasks stacked {gib(need)}")
+    if plan.timing is not None:
+        step_s, overhead = plan.timing["step_s"], COMPILED_STEP_OVERHEAD_S if inputs.compiled else STEP_OVERHEAD_S
+        stacked_s = STEP_OVERHEAD_S + copies * (step_s - overhead)  # eager: the stacked forward is not compiled
+        line += (f"; a step of one task {step_s:.3f} s ({copies} per phase step), of the stack {stacked_s:.3f} s "
+                 "(estimates)")
+    return {"device_memory_per_process": need, "line": line}
     return plan, footprint, inputs
 
 
@@ -554,6 +585,7 @@ def _choice_lines(plan: RunPlan) -> list[str]:
     lines = ["defaults: " + "; ".join(
         shown(option, key, spell) for option, key, spell in (
             ("model.grad_checkpointing", "grad_checkpointing", on_off), ("model.compile", "compile", on_off),
+            ("model.batch_tasks", "batch_tasks", on_off),
             ("--checkpoint_every", "checkpoint_every", str))
         if key in plan.choices)]
     timing = plan.timing

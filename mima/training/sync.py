@@ -53,6 +53,7 @@ from typing_extensions import override
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import cosine_from_gram, is_mergeable, mean_off_diagonal
+from mima.models.stacked import per_task_norms
 from mima.training.averaging import average_phase, gather_task_values
 from mima.training.background_writer import BackgroundWriter
 from mima.training.divergence import divergence_report, nonfinite_key
@@ -143,8 +144,8 @@ class MimaSyncCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stop is None:
             self.stop = StopAgreement(Path(trainer.default_root_dir), enabled=False)
-        encoder_state = pl_module.encoder.state_dict()
-        device = next(pl_module.encoder.parameters()).device
+        encoder_state = pl_module.working_state(0)  # batched: every slot holds the same start
+        device = pl_module.trained_parameters()[0].device
         phases = self.phases
         if phases.restored:
             phases.avg = {key: value.to(device) for key, value in phases.avg.items()}
@@ -174,16 +175,17 @@ class MimaSyncCallback(Callback):
         if trainer.is_global_zero:
             RunFolder(Path(trainer.default_root_dir)).trim_phase_records(self.phases.avg_phase + 1)
         plan = pl_module.plan
-        keeps_moments = pl_module.hparams.optimizer_state == "keep" and plan.iterations > 1
-        self.phases.reserve(len(plan.local_tasks), pl_module.encoder.state_dict(),
+        # batched (model.batch_tasks): the kept moments stay in the stacked optimiser, no host copy
+        keeps_moments = pl_module.hparams.optimizer_state == "keep" and plan.iterations > 1 and not plan.batched
+        self.phases.reserve(len(plan.local_tasks), pl_module.working_state(0),
                             adamw_moment_specs(trainer.optimizers[0]) if keeps_moments else None)
         if self.phases.restored:
             self.clock.saved = self.phases.step_seconds
-            self.resumed_phase = plan.position(min(trainer.global_step, plan.local_steps - 1)).phase
+            self.resumed_phase = plan.phase_of(min(trainer.global_step, plan.local_steps - 1))
         if self.phases.pending_sync:
             step = trainer.global_step - 1
-            self.resumed_phase = plan.position(step).phase
-            if not self._sync(trainer, pl_module, plan.position(step).phase, step + 1, resumed=True):
+            self.resumed_phase = plan.phase_of(step)
+            if not self._sync(trainer, pl_module, plan.phase_of(step), step + 1, resumed=True):
                 if self.stop.divergence is None:
                     raise MimaError("a stop was requested again before the resumed run's first sync; resume with --ckpt_path last")
                 # a process that resumed mid-phase diverged: this one stops with the others, as it resumed
@@ -200,7 +202,7 @@ class MimaSyncCallback(Callback):
         stepped = self.watch.stepped(trainer.global_step)
         # the step this (micro-)batch belongs to; global_step counts it only once the optimiser stepped
         step = trainer.global_step - 1 if stepped else trainer.global_step
-        position = plan.position(step)
+        positions = plan.positions(step)  # batched: one per local slot, all at the same task step
         # divided by the micro-batch count; with a proximal term (model.proximal_mu) the task's loss without it
         loss = outputs.get("task_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         # kept on the device: the host reads losses only where it waits for the device anyway
@@ -208,21 +210,25 @@ class MimaSyncCallback(Callback):
         if not stepped:
             return
         self.clock.step_ended(time.monotonic())
-        self.phases.step_losses.end_step(step, position.slot)
+        if plan.batched:
+            self.phases.step_losses.end_batched_step(step, len(positions))
+        else:
+            self.phases.step_losses.end_step(step, positions[0].slot)
         ends_segment = plan.ends_segment(step)
         if ends_segment or _logging_due(trainer.log_every_n_steps, step):
             self._log_step_losses(trainer, pl_module)
         if self._stop_if_diverged(trainer, pl_module) or not ends_segment:
             return
-        if self._segment_end_diverged(trainer, pl_module, step, position.task_index):
+        if self._segment_end_diverged(trainer, pl_module, step, positions):
             return  # nothing of it is kept, averaged or written
         self.phases.step_seconds = self.clock.median()  # saved with the state (a resumed sync's wait)
-        self._end_segment(trainer, pl_module, position)
+        for position in positions:
+            self._end_segment(trainer, pl_module, position)
         if plan.ends_phase(step):
-            self._sync(trainer, pl_module, position.phase, step + 1)
+            self._sync(trainer, pl_module, positions[-1].phase, step + 1)
         else:
             self._load_into_encoder(pl_module, self.phases.avg)
-            self._prepare_optimizer(trainer, pl_module, next_slot=position.slot + 1)
+            self._prepare_optimizer(trainer, pl_module, next_slot=positions[-1].slot + 1)
         self.clock.restart(time.monotonic())
 
     @override
@@ -231,6 +237,9 @@ class MimaSyncCallback(Callback):
         # Under clipping, a step whose gradient norm is NaN or inf diverges (the clipped gradients
         # are NaN). Not with a gradient scaler (16-mixed): it skips such steps itself.
         if not trainer.gradient_clip_val or getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return
+        if pl_module.plan.batched:  # each task's own norm, as clip_per_task computes it: [L]
+            self.phases.step_losses.add_grad_norm(per_task_norms(pl_module.trained_parameters()))
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:  # the norm clipping computes too, kept on the device with the step's loss
@@ -279,27 +288,32 @@ class MimaSyncCallback(Callback):
         if bad is None:
             return False
         plan = pl_module.plan
-        self._diverge(trainer, pl_module, plan.position(bad.step).task_index, bad.nonfinite_part(), bad.step)
+        self._diverge(trainer, pl_module, plan.tasks[plan.local_tasks[bad.slot]], bad.nonfinite_part(), bad.step)
         return True
 
-    def _segment_end_diverged(self, trainer, pl_module, step: int, task_index: int) -> bool:
-        """Whether the weights (or the kept moments) a task segment ends with hold a NaN or inf,
-        checked before they are kept, averaged or written to final/; if so the run stops."""
-        key = nonfinite_key(pl_module.encoder.state_dict())
-        what = f"weights ({key})"
-        if key is None and pl_module.hparams.optimizer_state == "keep":
+    def _segment_end_diverged(self, trainer, pl_module, step: int, positions) -> bool:
+        """Whether the weights (or the kept moments) the task segments ending here end with hold a NaN
+        or inf, checked before they are kept, averaged or written to final/; if so the run stops."""
+        plan = pl_module.plan
+        for position in positions:
+            key = nonfinite_key(pl_module.working_state(position.slot))
+            if key is not None:
+                self._diverge(trainer, pl_module, plan.tasks[position.task_index], f"non-finite weights ({key})", step)
+                return True
+        key = None
+        if pl_module.hparams.optimizer_state == "keep":
             key = nonfinite_key(trainer.optimizers[0].state_dict()["state"])
-            what = f"optimiser moments ({key})"
         if key is None:
             return False
-        self._diverge(trainer, pl_module, task_index, f"non-finite {what}", step)
+        tasks = "+".join(plan.tasks[position.task_index] for position in positions)  # batched: one optimiser for all
+        self._diverge(trainer, pl_module, tasks, f"non-finite optimiser moments ({key})", step)
         return True
 
-    def _diverge(self, trainer, pl_module, task_index: int, what: str, step: int) -> None:
+    def _diverge(self, trainer, pl_module, task: str, what: str, step: int) -> None:
         """Tell the others (the stop protocol) and stop after this step, before the phase's sync."""
         plan = pl_module.plan
-        phase = plan.position(trainer.global_step - 1).phase  # the phase of the step that just ended
-        report = divergence_report(plan.tasks[task_index], what, step, trainer.global_rank, trainer.world_size)
+        phase = plan.phase_of(trainer.global_step - 1)  # the phase of the step that just ended
+        report = divergence_report(task, what, step, trainer.global_rank, trainer.world_size)
         self.stop.diverge(phase, report)
         trainer.should_stop = True
 
@@ -310,7 +324,7 @@ class MimaSyncCallback(Callback):
         plan = pl_module.plan
         rows = self.phases.take_unlogged()
         for row in rows:
-            task = plan.tasks[plan.position(row.step).task_index]
+            task = plan.tasks[plan.local_tasks[row.slot]]
             for logger in trainer.loggers:
                 logger.log_metrics({f"train/loss/{task}": row.value, f"train/lr/{task}": pl_module.learning_rate(row.step)},
                                    step=row.step)
@@ -323,9 +337,11 @@ class MimaSyncCallback(Callback):
         it comes next (a process with one task)."""
         plan, phases = pl_module.plan, self.phases
         last_phase = position.phase == plan.iterations - 1
-        phases.keep_segment_end(position.slot, position.phase, pl_module.encoder.state_dict())
+        phases.keep_segment_end(position.slot, position.phase, pl_module.working_state(position.slot))
         self.optimizer_holds = None
-        if last_phase:
+        if plan.batched:
+            pass  # the stacked optimiser holds every task's moments, sliced by task: nothing to keep apart
+        elif last_phase:
             phases.forget_moments(position.slot)  # the task has no later segment to resume
         elif pl_module.hparams.optimizer_state == "keep":
             phases.keep_moments(position.slot, position.phase, trainer.optimizers[0].state_dict()["state"])
@@ -336,9 +352,9 @@ class MimaSyncCallback(Callback):
     def _end_phase(self, trainer, pl_module, phase: int, global_step: int, resumed: bool = False) -> None:
         plan, layout = pl_module.plan, pl_module.layout
         keys = list(self.phases.avg)
-        diagnostic_keys = {name for name, p in pl_module.encoder.named_parameters() if p.requires_grad}
+        diagnostic_keys = pl_module.trained_names()
         local_states = [self.phases.segment_ends[slot] for slot in range(len(plan.local_tasks))]
-        device = next(pl_module.encoder.parameters()).device
+        device = pl_module.trained_parameters()[0].device
         merge = self.sync_merge
         result = average_phase(local_states, keys, layout, pl_module.theta_0, self.phases.avg, diagnostic_keys, device,
                                keep_tasks=merge.keeps_tasks, host=self.phases.host)
@@ -391,10 +407,7 @@ class MimaSyncCallback(Callback):
     # ------------------------------------------------------------------------- helpers
     @staticmethod
     def _load_into_encoder(pl_module, state: StateDict) -> None:
-        current = pl_module.encoder.state_dict()
-        with torch.no_grad():
-            for key, value in state.items():
-                current[key].copy_(value)
+        pl_module.load_working(state)  # batched: into every slot of the stack
 
     def _prepare_optimizer(self, trainer, pl_module, next_slot: int) -> None:
         """Each segment is a fresh fine-tune from `avg`: new moments, or the next task's own ones.
@@ -402,6 +415,10 @@ class MimaSyncCallback(Callback):
         with one task keeps its moments there); another task's are copied into the optimiser's own
         tensors, or loaded where it holds none of the same layout."""
         optimizer = trainer.optimizers[0]
+        if pl_module.plan.batched:  # the stacked moments: kept where they are, or reset for every task at once
+            if pl_module.hparams.optimizer_state != "keep":
+                optimizer.state.clear()
+            return
         kept = self.phases.task_moments.get(next_slot) if pl_module.hparams.optimizer_state == "keep" else None
         holds, self.optimizer_holds = self.optimizer_holds, None
         if kept is None:

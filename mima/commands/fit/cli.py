@@ -275,6 +275,8 @@ class MimaCLI(LightningCLI):
         plan, footprint, inputs = plan_for_config(parse_run_config(raw, "config"), world_size, nodes,
                                                   self.checkpoint_every.value, tasks=self.datamodule.task_names)
         self.plan_checkpointing = inputs.grad_checkpointing
+        # model.batch_tasks "auto" as the plan settled it (on a GPU only: the CPU's plan leaves it off)
+        self.model.planned_batch_tasks = bool(plan.choices.get("batch_tasks", {}).get("value", False))
         if global_rank() == 0:
             print(format_plan(plan, footprint, inputs), flush=True)
         problem = check_fits(plan, force=bool(self.config.get("force")))
