@@ -14,8 +14,8 @@ folders of random PNG images that this script writes; S steps per task, N phases
                        `--model.compile false` and `true`; and with `data.cache` (the real input path,
                        `model.compile: auto`). Rates from the fit's `fit_warmup`-th step to its end
                        (the first step, which compiles, timed apart);
-  * batch_tasks        `mima fit` with `model.batch_tasks` on 8 tasks: only where ModelSettings has
-                       that field (`batch_tasks_row`); otherwise recorded as absent, with the reason;
+  * batch_tasks        `mima fit` with `model.batch_tasks: true` on 8 tasks of one process (3 in the
+                       smoke run), each step one batch of every task;
   * evaluation         images/s of TaskEvaluator over both tasks' test splits (cycled to
                        `eval_images` each) from the PNG files (`--cache off`: loader workers decode
                        them) and from the decoded-image cache (`--cache on`: whole uint8 batches made
@@ -125,10 +125,9 @@ SMOKE_LARGE = LargeSize("smoke", batch=8, timed_steps=3, sync_tasks=2, merge_tas
                         warmup_steps=1, sync_repeats=1)
 SMOKE = Size("cpu-smoke", "smoke", batch=8, large_batch=16, steps=4, iterations=2, images_per_class=6, image_side=40,
              workers=0, eval_images=32, anchor_warmup=1, anchor_steps=3, fit_warmup=1, stall_by_rates=True,
-             anchor_backend="aot_eager", large=SMOKE_LARGE)
+             anchor_backend="aot_eager", large=SMOKE_LARGE, batch_tasks=3)
 TASKS = ("noise_a", "noise_b")
 CLASSES = 4
-BATCH_TASKS_VALUE = True  # what the batch_tasks row sets model.batch_tasks to (to be settled with the option)
 
 
 class Results:
@@ -353,27 +352,18 @@ def bare_anchor(setup: BareSetup, size: Size, batch: int, compiled: bool, flops_
 
 def batch_tasks_row(size: Size, clip: str, scratch: Path, cuda: bool, flops_per_image: float,
                     peak: float | None) -> dict:
-    """The batch_tasks row: `mima fit` with `model.batch_tasks` on `size.batch_tasks` tasks, from the
-    decoded-image cache. Runs only where ModelSettings has a `batch_tasks` field; otherwise the row is
-    recorded as absent, with the reason. (What the option's value means, and how many images a step
-    then takes, are to be settled when the option lands: BATCH_TASKS_VALUE and `images_per_step`.)"""
-    from mima.config.model import ModelSettings
-
-    if "batch_tasks" not in {field.name for field in dataclasses.fields(ModelSettings)}:
-        return {"absent": "model.batch_tasks does not exist yet (mima.config.model.ModelSettings has no such field)"}
+    """The batch_tasks row: `mima fit` with `model.batch_tasks: true` on `size.batch_tasks` tasks of one
+    process, from the decoded-image cache: each optimiser step takes one batch of every task (the
+    stacked forward is not compiled yet: `model.compile: auto` stays eager when batched)."""
     names = tuple(f"batch_task_{index}" for index in range(size.batch_tasks))
     tasks = write_image_tasks(scratch / "batch_tasks", size, names)
     probe_file = scratch / "probe-batch-tasks.json"
     config = fit_config(size, clip, tasks, scratch / "run-batch-tasks", probe_file, cuda, "auto")
-    config["model"]["batch_tasks"] = BATCH_TASKS_VALUE
+    config["model"]["batch_tasks"] = True
     config["data"]["cache"] = True
-    try:
-        row = fit_row(config, probe_file, flops_per_image, peak)
-    except Exception as error:  # the row is new: record why it failed, keep the suite going
-        return {"failed": f"{type(error).__name__}: {error}"}
-    images_per_step = size.batch * size.batch_tasks  # assumed: one batch of every task per optimiser step
-    row.update(tasks=size.batch_tasks, batch_tasks=BATCH_TASKS_VALUE, images_per_step=images_per_step,
-               images_per_s=row["steps_per_s"] * images_per_step)
+    row = fit_row(config, probe_file, flops_per_image * size.batch_tasks, peak)
+    images_per_step = size.batch * size.batch_tasks
+    row.update(tasks=size.batch_tasks, images_per_step=images_per_step, images_per_s=row["steps_per_s"] * images_per_step)
     return row
 
 

@@ -177,15 +177,15 @@ def reference(tmp_path_factory, small_clip):
 
 
 # The files that take longest, longest first (seconds of one pytest process on the 2-core machine,
-# measured 2026-11-27; docs/testing.md). They are collected first, and with `--dist loadfile
+# measured 2026-11-27, the files of issue 47 added 2026-11-28; docs/testing.md). They are collected first, and with `--dist loadfile
 # --no-loadscope-reorder` (pyproject.toml) pytest-xdist hands files to its workers in collection
 # order: longest first, so that no long file starts last while the other worker sits idle.
 LONGEST_FILES = (
     "test_distributed.py", "test_slurm.py", "test_trackers.py", "test_demo.py", "test_task_budgets.py",
-    "test_checkpoint_schedule.py",
-    "test_embedded.py", "test_resource_plan.py", "test_accumulation.py", "test_evaluate_cells.py",
+    "test_checkpoint_schedule.py", "test_batch_tasks.py",
+    "test_embedded.py", "test_resource_plan.py", "test_gpu_suite.py", "test_accumulation.py", "test_evaluate_cells.py",
     "test_clip_configs.py", "test_disk_refusals.py", "test_run_lock.py", "test_image_folder.py", "test_data_cache.py",
-    "test_joint.py", "test_offline_suite.py",
+    "test_evaluate_cache.py", "test_joint.py", "test_offline_suite.py",
 )
 
 

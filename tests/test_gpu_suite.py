@@ -3,7 +3,6 @@ suite, one table, one JSON; each recorded ratio the quotient of the rates record
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -33,8 +32,6 @@ def _rate_consistent(row: dict, batch: int) -> None:
 # tower: 20-90 s on 2 cores (TorchInductor's cache warm or cold)
 @pytest.mark.slow
 def test_gpu_suite_cpu_smoke_runs_every_row_and_writes_its_json(tmp_path, private_cache):
-    from mima.config.model import ModelSettings
-
     output = tmp_path / "suite.json"
     done = _run(tmp_path, private_cache, "--cpu-smoke", "--json", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -66,11 +63,11 @@ def test_gpu_suite_cpu_smoke_runs_every_row_and_writes_its_json(tmp_path, privat
     assert not fits["eager"]["compiled"] and not fits["cached"]["compiled"]  # model.compile: auto is off on the CPU
     assert fits["compiled"]["stall_s"] >= 0 and fits["compiled_no_checkpoints"]["stall_s"] in (None, 0.0)
 
-    # batch_tasks: run where the option exists, else recorded as absent with its reason
-    if "batch_tasks" in {field.name for field in dataclasses.fields(ModelSettings)}:
-        assert "steps_per_s" in result["batch_tasks"], result["batch_tasks"]
-    else:
-        assert "batch_tasks" in result["batch_tasks"]["absent"]
+    # batch_tasks: one batch of each of the row's tasks per step
+    stacked = result["batch_tasks"]
+    assert stacked["tasks"] == size["batch_tasks"] and stacked["images_per_step"] == batch * size["batch_tasks"]
+    assert stacked["images_per_s"] == pytest.approx(stacked["steps_per_s"] * batch * size["batch_tasks"])
+    assert stacked["timed_steps"] == size["steps"] - size["fit_warmup"] and not stacked["compiled"]  # S process steps
 
     stall = result["checkpoint_stall"]
     assert stall["share_of_fit"] == pytest.approx(stall["stall_s"] / stall["timed_s"])
