@@ -175,3 +175,17 @@ def test_a_resume_that_would_step_the_tasks_otherwise_is_refused_in_one_line(tmp
     resumed = run_job(demo_config(tmp_path / "resume.yaml", 1, batch_tasks=False), out, "--ckpt_path", "last")
     assert resumed.returncode != 0 and "model.batch_tasks" in resumed.stderr
     assert not (out / "final" / "rot90.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_batched_run_resumed_on_another_number_of_processes_is_refused_in_one_line(tmp_path):
+    """An elastic resume re-deals per-task files among the new processes; a batched state holds the
+    stacked task models instead, so it resumes on its own number of processes only."""
+    out = tmp_path / "killed"
+    killed = run_job(demo_config(tmp_path / "kill.yaml", 1, [("KillAtStep", {"step": 6})], batch_tasks=True), out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run_job(demo_config(tmp_path / "resume.yaml", 2, batch_tasks=True), out, "--ckpt_path", "last")
+    assert resumed.returncode != 0
+    assert "resumes on its own number of processes only (1)" in resumed.stderr, resumed.stderr[-2000:]
+    assert "Traceback" not in resumed.stderr, resumed.stderr[-2000:]
+    assert not (out / "final" / "rot90.safetensors").exists()
