@@ -25,6 +25,7 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import save_state_dict
+from mima.merging.catalogue import STRATEGIES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mima"
 
@@ -180,7 +181,7 @@ def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stdout, result.stdout
     loaded = set(result.stdout.split("MERGING ")[1].split())
-    strategies = {f"mima.merging.{path.stem}" for path in (PACKAGE / "merging").glob("*.py") if path.stem != "__init__"}
+    strategies = {f"mima.merging.{strategy.module}" for strategy in STRATEGIES.values()}
     assert strategies <= loaded, sorted(strategies - loaded)  # every strategy was imported, and none pulled those in
     from mima.core.safetensors_io import load_state_dict
 

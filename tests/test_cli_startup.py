@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from mima.merging.catalogue import STRATEGIES, Strategy
+from mima.merging.catalogue import KINDS, STRATEGIES
 
 HEAVY = ("torch", "lightning", "open_clip", "torchvision", "timm")
 # runs the command line as `mima` does, then names the heavy packages that were imported
@@ -130,15 +131,27 @@ def test_the_catalogue_lists_every_registered_strategy_with_its_hyperparameters(
     }
 
 
+def test_the_catalogues_kinds_are_the_registrys_types():
+    from mima.merging import MERGE_METHODS
+    from mima.merging.registry import KIND_TYPES
+
+    assert set(KIND_TYPES) == set(KINDS)
+    assert [name for name, strategy in STRATEGIES.items()
+            if not isinstance(MERGE_METHODS[name], KIND_TYPES[strategy.kind])] == []
+    # what the tables say of a kind is what the registered method does: it asks for data, or keeps one model per task
+    assert {name: (method.needs_data, method.per_task) for name, method in MERGE_METHODS.items()} == {
+        name: (strategy.needs_data, strategy.kind == "per-task") for name, strategy in STRATEGIES.items()}
+
+
 def test_register_refuses_a_strategy_the_catalogue_does_not_list_as_it_is(monkeypatch):
     from mima.merging.registry import MERGE_METHODS, StreamingMerge, register
 
     stream = lambda models, base, **hp: iter(())  # noqa: E731
     with pytest.raises(ValueError, match="STRATEGIES must list it"):
-        register(StreamingMerge(name="unlisted", paper="", summary="", needs_base=False, stream_fn=stream))
-    monkeypatch.setitem(STRATEGIES, "listed", Strategy("listed", {"lam": float("nan")}))
+        register(StreamingMerge(name="unlisted", stream_fn=stream))
+    monkeypatch.setitem(STRATEGIES, "listed", replace(STRATEGIES["uniform"], defaults={"lam": float("nan")}))
     with pytest.raises(ValueError, match="default lam=nan is not a finite number"):
-        register(StreamingMerge(name="listed", paper="", summary="", needs_base=False, stream_fn=stream))
+        register(StreamingMerge(name="listed", stream_fn=stream))
     assert not {"unlisted", "listed"} & set(MERGE_METHODS)
 
 

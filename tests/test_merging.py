@@ -1,5 +1,7 @@
 """Merge strategies against independent computations (numpy, hand-worked examples, known identities)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ from mima.core.errors import MimaError
 from mima.merging import (HYPERPARAMETERS, MERGE_METHODS, DataFreeMerge, DataMerge, PerTaskMerge, ScaledMerge, StreamingMerge,
                           get_method)
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_rank
-from mima.merging.catalogue import STRATEGIES, Strategy
+from mima.merging.catalogue import STRATEGIES
 from mima.merging.registry import register
 from mima.merging.selection import merge_with_defaults, select_on_validation
 
@@ -200,21 +202,25 @@ def test_a_wrong_value_is_rejected_naming_the_option(name):
 
 def test_register_refuses_undeclared_or_invalid_defaults(monkeypatch):
     stream = lambda models, base, **hp: iter(())  # noqa: E731
-    declarations = {"x1": Strategy("x1", {"colour": 1}), "x2": Strategy("x2", {"k": 0}),
-                    "x3": Strategy("x3", {"lam": 1.0}, grid={"lam": (1.0, float("nan"))}), "x4": Strategy("x4", {"k": 20.0})}
+    streaming, scaled = STRATEGIES["uniform"], STRATEGIES["task_arithmetic"]
+    declarations = {"x1": replace(streaming, defaults={"colour": 1}), "x2": replace(streaming, defaults={"k": 0}),
+                    "x3": replace(streaming, defaults={"lam": 1.0}, grid={"lam": (1.0, float("nan"))}),
+                    "x4": replace(scaled, defaults={"k": 20.0}, grid={}), "x5": scaled}
     for name, declaration in declarations.items():
         monkeypatch.setitem(STRATEGIES, name, declaration)
     with pytest.raises(ValueError, match="hyperparameter colour is not declared"):
-        register(StreamingMerge(name="x1", paper="", summary="", needs_base=False, stream_fn=stream))
+        register(StreamingMerge(name="x1", stream_fn=stream))
     with pytest.raises(ValueError, match="default k=0 is not a percentage"):
-        register(StreamingMerge(name="x2", paper="", summary="", needs_base=False, stream_fn=stream))
+        register(StreamingMerge(name="x2", stream_fn=stream))
     with pytest.raises(ValueError, match="grid of lam"):
-        register(StreamingMerge(name="x3", paper="", summary="", needs_base=False, stream_fn=stream))
+        register(StreamingMerge(name="x3", stream_fn=stream))
     with pytest.raises(ValueError, match="a ScaledMerge takes lam"):
-        register(ScaledMerge(name="x4", paper="", summary="", needs_base=False, scaled_fn=stream))
+        register(ScaledMerge(name="x4", scaled_fn=stream))
+    with pytest.raises(ValueError, match="x5 is declared a scaled strategy, so it must be a ScaledMerge, not a StreamingMerge"):
+        register(StreamingMerge(name="x5", stream_fn=stream))
     with pytest.raises(ValueError, match="STRATEGIES must list it"):
-        register(StreamingMerge(name="unlisted", paper="", summary="", needs_base=False, stream_fn=stream))
-    assert not {"x1", "x2", "x3", "x4", "unlisted"} & set(MERGE_METHODS)
+        register(StreamingMerge(name="unlisted", stream_fn=stream))
+    assert not {"x1", "x2", "x3", "x4", "x5", "unlisted"} & set(MERGE_METHODS)
 
 
 def test_each_kind_merges_through_its_own_entry_points():

@@ -119,10 +119,6 @@ def ace(models, base, ace_epsilon: float, ace_rank_fraction: float, matrix_keys:
 register(
     ScaledMerge(
         name="ace",
-        paper="https://arxiv.org/abs/2603.02945",
-        summary="per matrix: closed-form merge with input covariances estimated from the task vectors, "
-        "plus an isotropic spectral refinement where the tasks' update energies differ",
-        needs_base=True,
         scaled_fn=ace,
     )
 )

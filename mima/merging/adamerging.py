@@ -175,18 +175,12 @@ def adamerging_cart(models, base, pool: Pool, granularity: str, steps: int, lr: 
 register(
     DataMerge(
         name="adamerging",
-        paper="https://arxiv.org/abs/2310.02575",
-        summary="task- or layer-wise coefficients learnt by entropy minimisation on unlabelled inputs",
-        needs_base=True,
         data_fn=adamerging,
     )
 )
 register(
     DataMerge(
         name="adamerging_cart",
-        paper="https://arxiv.org/abs/2412.12153",
-        summary="AdaMerging on CART's centered rank-reduced vectors (paper 000, eq. 8)",
-        needs_base=False,
         data_fn=adamerging_cart,
     )
 )

@@ -38,9 +38,6 @@ def breadcrumbs(models, base, density: float, gamma: float):
 register(
     ScaledMerge(
         name="breadcrumbs",
-        paper="https://arxiv.org/abs/2312.06795",
-        summary="drop each row's largest and smallest task-vector entries, then task arithmetic",
-        needs_base=True,
         scaled_fn=breadcrumbs,
         entrywise=True,
     )

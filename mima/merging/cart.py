@@ -141,9 +141,6 @@ def _cart_sweep(models, ratios: list[float], matrices: set[str]):
 register(
     ScaledMerge(
         name="cart",
-        paper="https://arxiv.org/abs/2412.12153",
-        summary="average plus lam times the rank-reduced centered task vectors",
-        needs_base=False,
         scaled_fn=cart,
         sweep_fn=cart_sweep,
     )

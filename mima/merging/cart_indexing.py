@@ -64,9 +64,6 @@ def cart_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, 
 register(
     PerTaskMerge(
         name="cart_indexing",
-        paper="https://arxiv.org/abs/2412.12153",
-        summary="shared average plus each task's rank-reduced centered vector (one model per task)",
-        needs_base=False,
         index_fn=cart_index,
         reconstruct_fn=cart_reconstruct,
     )

@@ -1,13 +1,16 @@
-"""What the command line knows of the merge strategies without importing them (or torch): the
-declaration of every strategy (its name, the module that implements it, the hyperparameters it takes
-with their defaults, the grid its paper searches) and of every hyperparameter (check, meaning, flag).
+"""What the command line, the registry and the documentation know of the merge strategies without
+importing them (or torch): the declaration of every strategy (its name, the module that implements it,
+its kind, its paper, what it does, whether it needs theta_0, the hyperparameters it takes with their
+defaults, the grid its paper searches) and of every hyperparameter (check, meaning, flag).
 
-This is the one place a strategy's hyperparameters are written. `mima merge --help` and the other
-parsers are built from this module alone, so that help and argument errors answer before torch is
-imported; a strategy's module implements it and registers it in mima.merging.registry under its
-declared name, where the method reads its `defaults` and `grid` from here. The registry checks each
-declaration as the strategy registers (defaults and grid values its hyperparameters accept) and, once
-all are loaded, that every name here was registered.
+This is the one place these facts are written. `mima merge --help` and the other parsers are built from
+this module alone, so that help and argument errors answer before torch is imported; a strategy's
+module implements it and registers it in mima.merging.registry under its declared name, where the
+method reads everything else from here (`paper`, `summary`, `needs_base`, `defaults`, `grid`). The
+registry checks each declaration as the strategy registers (its type is the declared kind; defaults and
+grid values its hyperparameters accept) and, once all are loaded, that every name here was registered.
+The strategy tables of README.md and docs/merging.md are rendered from here
+(mima.merging.strategy_tables; tests/test_strategy_tables.py holds them to it).
 """
 
 from __future__ import annotations
@@ -19,19 +22,51 @@ from dataclasses import dataclass, field
 
 from mima.core.errors import MimaError
 
+# The four kinds of strategy, each a type in mima.merging.registry (KIND_TYPES there), and what each is,
+# as the strategy tables say it.
+KINDS: dict[str, str] = {
+    "streaming": "data-free",  # key by key from the inputs alone (StreamingMerge)
+    "scaled": "data-free, lam-scaled",  # anchor + lam * direction: a lam grid costs one pass (ScaledMerge)
+    "per-task": "one model per task",  # a shared model plus a small part per task, written as an index (PerTaskMerge)
+    "data": "data-dependent",  # forward passes on the tasks' data (DataMerge)
+}
+
+
+@dataclass(frozen=True)
+class Paper:
+    """The paper a strategy follows: its short name, as the tables show it, and its address."""
+
+    title: str
+    url: str
+    number: str | None = None  # its number among the papers mima cites by number (docs/index.md)
+
 
 @dataclass(frozen=True)
 class Strategy:
-    """A merge strategy's declaration: where it is implemented and the hyperparameters it takes."""
+    """A merge strategy's declaration: where and as what it is implemented, its paper, what it does, what
+    it needs, and the hyperparameters it takes."""
 
     module: str  # the module of mima.merging that implements and registers it
+    kind: str  # one of KINDS: the registry's type it is registered as
+    paper: Paper
+    summary: str  # what it does, in one line
+    needs_base: bool  # it needs theta_0, the pretrained model (--base)
     defaults: Mapping[str, object] = field(default_factory=dict)  # every hyperparameter it takes, with its default
     grid: Mapping[str, tuple] = field(default_factory=dict)  # the paper's values, searched on validation data
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"strategy of module {self.module}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
 
     @property
     def hyperparameters(self) -> tuple[str, ...]:
         """The names it takes, in its order."""
         return tuple(self.defaults)
+
+    @property
+    def needs_data(self) -> bool:
+        """It merges with forward passes on the tasks' data (a config or run folder)."""
+        return self.kind == "data"
 
 
 # The default of `matrix_keys` of CART and the merges built on it: the official rule
@@ -49,60 +84,147 @@ DEFAULT_ACE_MATRIX_KEYS = r"^(?!.*text_projection).*$"
 DEFAULT_SVC_MATRIX_KEYS = r"^(?!.*(?:text_projection|embedding)).*$"
 # The tensors of residual block <index> (LiNeS, RegMean++).
 DEFAULT_BLOCK_KEYS = r"blocks\.(\d+)\."
+# What the default patterns select, in words, for the strategy tables (a pattern is hard to read there)
+PATTERN_MEANINGS: dict[str, str] = {
+    DEFAULT_MATRIX_KEYS: "2-D tensors whose key has attn or mlp and neither ln nor bias",
+    EVERY_MATRIX: "every 2-D tensor",
+    DEFAULT_TSV_MATRIX_KEYS: "every 2-D tensor but the text projection",
+    DEFAULT_ACE_MATRIX_KEYS: "every 2-D tensor but the text projection",
+    DEFAULT_SVC_MATRIX_KEYS: "every 2-D tensor but the text projection and embeddings",
+}
 # FW-Merging's default iterations per mode: paper 002's vision settings (its method takes the mode's
 # when none is given: mima.merging.fw_merging).
 ITERATIONS = {"hard": 3, "soft": 15}
 # Iso-C and Iso-CTS's lambda grid: the authors' alpha search, np.linspace(0.0, 3.0, 31)[1:].
 ISO_LAM_GRID = tuple(round(0.1 * i, 1) for i in range(1, 31))
 
+# The papers, each once (several strategies follow one)
+MODEL_SOUPS = Paper("Model soups", "https://arxiv.org/abs/2203.05482")
+TASK_ARITHMETIC = Paper("Editing models with task arithmetic", "https://arxiv.org/abs/2212.04089")
+TIES_MERGING = Paper("TIES-Merging", "https://arxiv.org/abs/2306.01708")
+DARE = Paper("DARE", "https://arxiv.org/abs/2311.03099")
+BREADCRUMBS = Paper("Model Breadcrumbs", "https://arxiv.org/abs/2312.06795")
+TALL_MASKS = Paper("TALL masks / Consensus", "https://arxiv.org/abs/2405.07813")
+TASK_SINGULAR_VECTORS = Paper("Task Singular Vectors", "https://arxiv.org/abs/2412.00081")
+CART = Paper("CART", "https://arxiv.org/abs/2412.12153", number="000")
+ADAMERGING = Paper("AdaMerging", "https://arxiv.org/abs/2310.02575")
+FW_MERGING = Paper("FW-Merging", "https://arxiv.org/abs/2503.12649", number="002")
+FISHER_MERGING = Paper("Fisher merging", "https://arxiv.org/abs/2111.09832")
+REGMEAN = Paper("RegMean", "https://arxiv.org/abs/2212.09849")
+REGMEAN_PLUS_PLUS = Paper("RegMean++", "https://arxiv.org/abs/2508.03121")
+ISO_C_CTS = Paper("Iso-C / Iso-CTS", "https://arxiv.org/abs/2502.04959")
+WUDI_MERGING = Paper("WUDI-Merging", "https://arxiv.org/abs/2503.08099")
+MAGMAX = Paper("MagMax", "https://arxiv.org/abs/2407.06322")
+MODEL_STOCK = Paper("Model Stock", "https://arxiv.org/abs/2403.19522")
+LINES = Paper("LiNeS", "https://arxiv.org/abs/2410.17146")
+ACE_MERGING = Paper("ACE-Merging", "https://arxiv.org/abs/2603.02945")
+SVC = Paper("SVC", "https://arxiv.org/abs/2602.05536")
+DELLA_MERGING = Paper("DELLA-Merging", "https://arxiv.org/abs/2406.11617")
+EMR_MERGING = Paper("EMR-Merging", "https://arxiv.org/abs/2405.17461")
 
-# name -> Strategy, in the order the modules are loaded (so the registry fills in this order)
+# grids several strategies search
+LAM_0_TO_1 = tuple(round(0.05 * i, 2) for i in range(21))  # 0, 0.05 .. 1
+LAM_TIES = tuple(round(0.8 + 0.05 * i, 2) for i in range(21))  # 0.8, 0.85 .. 1.8
+
+# name -> Strategy, in the order the tables list them: the simplest first, each family together
 STRATEGIES: dict[str, Strategy] = {
-    "ace": Strategy("ace", {"lam": 1.0, "ace_epsilon": 1e-2, "ace_rank_fraction": 0.3,
-                            "matrix_keys": DEFAULT_ACE_MATRIX_KEYS}),
-    "cart": Strategy("cart", {"lam": 1.0, "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
-                     grid={"rank_ratio": (0.04, 0.08, 0.16, 0.32), "lam": tuple(round(1.0 + 0.2 * i, 1) for i in range(11))}),
-    "adamerging": Strategy("adamerging", {"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 0.3,
-                                          "adapt_on": "test"}),
-    "adamerging_cart": Strategy("adamerging", {"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 1.0,
-                                               "adapt_on": "test", "rank_ratio": 0.08,
-                                               "matrix_keys": DEFAULT_MATRIX_KEYS}),
-    "breadcrumbs": Strategy("breadcrumbs", {"lam": 0.2, "density": 0.15, "gamma": 0.006},
+    "uniform": Strategy("uniform", "streaming", MODEL_SOUPS,
+                        "element-wise mean of the models (MIMA's phase-end operator)", needs_base=False),
+    "task_arithmetic": Strategy("task_arithmetic", "scaled", TASK_ARITHMETIC,
+                                "theta_0 plus lam times the sum of the task vectors", needs_base=True,
+                                defaults={"lam": 0.4}, grid={"lam": LAM_0_TO_1}),
+    "ties": Strategy("ties", "scaled", TIES_MERGING,
+                     "trim each task vector to its top-k% magnitudes, elect signs, disjoint mean, scaled by lam",
+                     needs_base=True, defaults={"lam": 1.0, "k": 20.0, "trim": "global"}, grid={"lam": LAM_TIES}),
+    "dare_task_arithmetic": Strategy("dare", "scaled", DARE,
+                                     "random drop and rescale of the task vectors, then task arithmetic", needs_base=True,
+                                     defaults={"lam": 0.3, "drop": 0.5, "seed": 0}, grid={"lam": LAM_0_TO_1}),
+    "dare_ties": Strategy("dare", "scaled", DARE, "random drop and rescale of the task vectors, then TIES", needs_base=True,
+                          defaults={"lam": 1.0, "drop": 0.5, "seed": 0, "k": 20.0, "trim": "global"},
+                          grid={"lam": LAM_TIES}),
+    "breadcrumbs": Strategy("breadcrumbs", "scaled", BREADCRUMBS,
+                            "per row, drop the largest and the smallest task-vector entries, then task arithmetic",
+                            needs_base=True, defaults={"lam": 0.2, "density": 0.15, "gamma": 0.006},
                             grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))}),
-    "cart_indexing": Strategy("cart_indexing", {"rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS}),
-    "consensus": Strategy("consensus", {"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
+    "consensus": Strategy("consensus", "scaled", TALL_MASKS,
+                          "task arithmetic on the entries that at least min_tasks tasks' TALL masks select",
+                          needs_base=True, defaults={"lam": 0.4, "mask_lam": 0.4, "min_tasks": 2},
                           grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 11))}),
-    "ties": Strategy("ties", {"lam": 1.0, "k": 20.0, "trim": "global"},
-                     grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
-    "dare_task_arithmetic": Strategy("dare", {"lam": 0.3, "drop": 0.5, "seed": 0},
-                                     grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))}),
-    "dare_ties": Strategy("dare", {"lam": 1.0, "drop": 0.5, "seed": 0, "k": 20.0, "trim": "global"},
-                          grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
-    "della": Strategy("della", {"lam": 1.0, "density": 0.5, "epsilon": 0.15, "seed": 0},
-                      grid={"lam": tuple(round(0.8 + 0.05 * i, 2) for i in range(21))}),
-    "emr": Strategy("emr"),
-    "fisher": Strategy("fisher", {"examples": 256}),
-    "task_arithmetic": Strategy("task_arithmetic", {"lam": 0.4},
-                                grid={"lam": tuple(round(0.05 * i, 2) for i in range(21))}),
-    "fw_merging": Strategy("fw_merging", {"mode": "hard", "iterations": ITERATIONS["hard"], "step_size": 0.1, "lam": 0.3,
-                                          "examples": 100, "start": "adamerging", "ada_steps": 500, "lr": 1e-3}),
-    "iso_c": Strategy("iso_c", {"lam": 1.0, "matrix_keys": EVERY_MATRIX}, grid={"lam": ISO_LAM_GRID}),
-    "iso_cts": Strategy("iso_cts", {"lam": 1.0, "common_space_fraction": 0.8, "matrix_keys": EVERY_MATRIX},
-                        grid={"lam": ISO_LAM_GRID}),
-    "lines": Strategy("lines", {"base_merge": "task_arithmetic", "lines_alpha": "auto", "lines_beta": 0.5,
-                                "block_keys": DEFAULT_BLOCK_KEYS},
-                      grid={"lines_beta": tuple(round(0.1 * i, 1) for i in range(1, 16))}),
-    "magmax": Strategy("magmax", {"lam": 0.5}, grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))}),
-    "model_stock": Strategy("model_stock"),
-    "regmean": Strategy("regmean", {"examples": 256, "alpha": 0.6}),
-    "regmean_plus_plus": Strategy("regmean_plus_plus", {"examples": 256, "alpha": 0.95, "block_keys": DEFAULT_BLOCK_KEYS}),
-    "svc": Strategy("svc", {"inner_merge": "task_arithmetic", "inner_hparams": "", "svc_alpha": 0.1,
-                            "matrix_keys": DEFAULT_SVC_MATRIX_KEYS}),
-    "tall": Strategy("tall", {"mask_lam": 0.4}, grid={"mask_lam": (0.2, 0.3, 0.4, 0.5, 0.6)}),
-    "tsv": Strategy("tsv", {"lam": 1.0, "matrix_keys": DEFAULT_TSV_MATRIX_KEYS},
+    "tall": Strategy("tall", "per-task", TALL_MASKS, "the sum of the task vectors, masked per task by its TALL mask",
+                     needs_base=True, defaults={"mask_lam": 0.4}, grid={"mask_lam": (0.2, 0.3, 0.4, 0.5, 0.6)}),
+    "tsv": Strategy("tsv", "scaled", TASK_SINGULAR_VECTORS,
+                    "per matrix, each task's top singular vectors, orthogonalised across tasks", needs_base=True,
+                    defaults={"lam": 1.0, "matrix_keys": DEFAULT_TSV_MATRIX_KEYS},
                     grid={"lam": tuple(round(0.1 * i, 1) for i in range(1, 31))}),
-    "uniform": Strategy("uniform"),
-    "wudi": Strategy("wudi", {"steps": 300, "lr": 1e-5, "matrix_keys": EVERY_MATRIX}),
+    "cart": Strategy("cart", "scaled", CART, "the average plus lam times the rank-reduced centered task vectors",
+                     needs_base=False, defaults={"lam": 1.0, "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS},
+                     grid={"rank_ratio": (0.04, 0.08, 0.16, 0.32), "lam": tuple(round(1.0 + 0.2 * i, 1) for i in range(11))}),
+    "cart_indexing": Strategy("cart_indexing", "per-task", CART,
+                              "the shared average plus each task's rank-reduced centered vector", needs_base=False,
+                              defaults={"rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS}),
+    "adamerging": Strategy("adamerging", "data", ADAMERGING,
+                           "task- or layer-wise coefficients learnt by entropy minimisation on unlabelled inputs",
+                           needs_base=True, defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 0.3,
+                                                      "adapt_on": "test"}),
+    "adamerging_cart": Strategy("adamerging", "data", CART,
+                                "AdaMerging on CART's centered rank-reduced vectors (paper 000, eq. 8)", needs_base=False,
+                                defaults={"granularity": "layer", "steps": 500, "lr": 1e-3, "prior": 1.0,
+                                          "adapt_on": "test", "rank_ratio": 0.08, "matrix_keys": DEFAULT_MATRIX_KEYS}),
+    "fw_merging": Strategy("fw_merging", "data", FW_MERGING,
+                           "Frank-Wolfe over the checkpoints' convex hull (hard: one vertex per step; "
+                           "soft: AdaMerging over chosen vertices)", needs_base=True,
+                           defaults={"mode": "hard", "iterations": ITERATIONS["hard"], "step_size": 0.1, "lam": 0.3,
+                                     "examples": 100, "start": "adamerging", "ada_steps": 500, "lr": 1e-3}),
+    "fisher": Strategy("fisher", "data", FISHER_MERGING,
+                       "average weighted per parameter by each model's diagonal Fisher information", needs_base=False,
+                       defaults={"examples": 256}),
+    "regmean": Strategy("regmean", "data", REGMEAN,
+                        "least-squares merge of each linear layer from its input Gram matrices; the rest averaged",
+                        needs_base=False, defaults={"examples": 256, "alpha": 0.6}),
+    "regmean_plus_plus": Strategy("regmean_plus_plus", "data", REGMEAN_PLUS_PLUS,
+                                  "RegMean block by block, each block's Gram matrices from inputs through the merged "
+                                  "blocks below", needs_base=False,
+                                  defaults={"examples": 256, "alpha": 0.95, "block_keys": DEFAULT_BLOCK_KEYS}),
+    "iso_c": Strategy("iso_c", "scaled", ISO_C_CTS,
+                      "per matrix, the sum of the task vectors with its singular values flattened to their mean",
+                      needs_base=True, defaults={"lam": 1.0, "matrix_keys": EVERY_MATRIX}, grid={"lam": ISO_LAM_GRID}),
+    "iso_cts": Strategy("iso_cts", "scaled", ISO_C_CTS,
+                        "per matrix, a common subspace of the sum plus each task's own directions, orthogonalised, "
+                        "with a flat spectrum", needs_base=True,
+                        defaults={"lam": 1.0, "common_space_fraction": 0.8, "matrix_keys": EVERY_MATRIX},
+                        grid={"lam": ISO_LAM_GRID}),
+    "wudi": Strategy("wudi", "streaming", WUDI_MERGING,
+                     "per matrix, the merged task vector that least disturbs each task's subspace (Adam from the sum "
+                     "of the task vectors)", needs_base=True,
+                     defaults={"steps": 300, "lr": 1e-5, "matrix_keys": EVERY_MATRIX}),
+    "magmax": Strategy("magmax", "scaled", MAGMAX,
+                       "per entry, the task-vector value of largest magnitude (the later task on ties), scaled by lam",
+                       needs_base=True, defaults={"lam": 0.5},
+                       grid={"lam": tuple(round(0.05 * i, 2) for i in range(1, 21))}),
+    "model_stock": Strategy("model_stock", "streaming", MODEL_STOCK,
+                            "per tensor, t times the mean of the models plus (1 - t) theta_0, t from the tasks' mean "
+                            "pairwise angle", needs_base=True),
+    "lines": Strategy("lines", "streaming", LINES,
+                      "a base merge's task vector scaled by alpha + beta l / (L - 1) in residual block l",
+                      needs_base=True, defaults={"base_merge": "task_arithmetic", "lines_alpha": "auto",
+                                                 "lines_beta": 0.5, "block_keys": DEFAULT_BLOCK_KEYS},
+                      grid={"lines_beta": tuple(round(0.1 * i, 1) for i in range(1, 16))}),
+    "ace": Strategy("ace", "scaled", ACE_MERGING,
+                    "per matrix, a closed-form merge with input covariances estimated from the task vectors, plus an "
+                    "isotropic spectral refinement where the tasks' update energies differ", needs_base=True,
+                    defaults={"lam": 1.0, "ace_epsilon": 1e-2, "ace_rank_fraction": 0.3,
+                              "matrix_keys": DEFAULT_ACE_MATRIX_KEYS}),
+    "svc": Strategy("svc", "streaming", SVC,
+                    "another merge's matrices with each singular value divided by the mean over tasks of "
+                    "max(alpha, the task's projection coefficient on that direction)", needs_base=True,
+                    defaults={"inner_merge": "task_arithmetic", "inner_hparams": "", "svc_alpha": 0.1,
+                              "matrix_keys": DEFAULT_SVC_MATRIX_KEYS}),
+    "della": Strategy("della", "scaled", DELLA_MERGING,
+                      "magnitude-ranked random drop and rescale, sign election, disjoint mean, scaled by lam",
+                      needs_base=True, defaults={"lam": 1.0, "density": 0.5, "epsilon": 0.15, "seed": 0},
+                      grid={"lam": LAM_TIES}),
+    "emr": Strategy("emr", "per-task", EMR_MERGING,
+                    "an elected task vector plus a sign mask and a rescaler per task", needs_base=True),
 }
 
 

@@ -54,9 +54,6 @@ def _consensus(models, base, mask_lam: list[float], min_tasks: int):
 register(
     ScaledMerge(
         name="consensus",
-        paper="https://arxiv.org/abs/2405.07813",
-        summary="task arithmetic on the entries that at least k tasks' TALL masks select",
-        needs_base=True,
         scaled_fn=consensus,
         entrywise=True,
     )

@@ -47,9 +47,6 @@ def dare_ties(models, base, drop: float, seed: int, k: float, trim: str):
 register(
     ScaledMerge(
         name="dare_task_arithmetic",
-        paper="https://arxiv.org/abs/2311.03099",
-        summary="random drop-and-rescale of task vectors, then task arithmetic",
-        needs_base=True,
         scaled_fn=dare_task_arithmetic,
         entrywise=True,
     )
@@ -57,9 +54,6 @@ register(
 register(
     ScaledMerge(
         name="dare_ties",
-        paper="https://arxiv.org/abs/2311.03099",
-        summary="random drop-and-rescale of task vectors, then TIES",
-        needs_base=True,
         scaled_fn=dare_ties,
         entrywise=True,
     )

@@ -112,9 +112,6 @@ def _della(models, base, density: float, epsilon: float, seed: int):
 register(
     ScaledMerge(
         name="della",
-        paper="https://arxiv.org/abs/2406.11617",
-        summary="magnitude-ranked random drop and rescale, sign election, disjoint mean, scaled by lam",
-        needs_base=True,
         scaled_fn=della,
         entrywise=True,
     )

@@ -67,9 +67,6 @@ def emr_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, t
 register(
     PerTaskMerge(
         name="emr",
-        paper="https://arxiv.org/abs/2405.17461",
-        summary="elected task vector plus a sign mask and a rescaler per task (one model per task)",
-        needs_base=True,
         index_fn=emr_index,
         reconstruct_fn=emr_reconstruct,
     )

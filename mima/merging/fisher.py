@@ -65,9 +65,6 @@ def fisher_merging(models, base, pool: Pool, examples: int) -> MergeOutput:
 register(
     DataMerge(
         name="fisher",
-        paper="https://arxiv.org/abs/2111.09832",
-        summary="average weighted per parameter by each model's diagonal Fisher information",
-        needs_base=False,
         data_fn=fisher_merging,
     )
 )

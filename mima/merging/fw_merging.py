@@ -181,9 +181,6 @@ class FrankWolfeMerge(DataMerge):
 register(
     FrankWolfeMerge(
         name="fw_merging",
-        paper="https://arxiv.org/abs/2503.12649",
-        summary="Frank-Wolfe over the checkpoints' convex hull (hard: one vertex per step; soft: AdaMerging over chosen vertices)",
-        needs_base=True,
         data_fn=fw_merging,
     )
 )

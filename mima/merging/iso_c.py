@@ -39,9 +39,6 @@ def iso_c_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
 register(
     ScaledMerge(
         name="iso_c",
-        paper="https://arxiv.org/abs/2502.04959",
-        summary="per matrix: the sum of task vectors with its singular values flattened to their mean",
-        needs_base=True,
         scaled_fn=per_matrix(iso_c_matrix),
     )
 )

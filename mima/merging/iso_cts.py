@@ -69,9 +69,6 @@ def iso_cts(models, base, common_space_fraction: float, matrix_keys: str = EVERY
 register(
     ScaledMerge(
         name="iso_cts",
-        paper="https://arxiv.org/abs/2502.04959",
-        summary="per matrix: common subspace of the sum plus each task's own directions, orthogonalised, flat spectrum",
-        needs_base=True,
         scaled_fn=iso_cts,
     )
 )

@@ -92,9 +92,6 @@ def _scaled(items: Iterator[ScaledItem], depths: dict[str, int], blocks: int, al
 register(
     StreamingMerge(
         name="lines",
-        paper="https://arxiv.org/abs/2410.17146",
-        summary="a base merge's task vector scaled by alpha + beta * l / (L - 1) in residual block l",
-        needs_base=True,
         stream_fn=lines,
     )
 )

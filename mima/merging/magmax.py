@@ -46,9 +46,6 @@ def magmax(models, base):
 register(
     ScaledMerge(
         name="magmax",
-        paper="https://arxiv.org/abs/2407.06322",
-        summary="per entry, the task-vector value of largest magnitude (later task on ties), scaled by lam",
-        needs_base=True,
         scaled_fn=magmax,
         entrywise=True,
     )

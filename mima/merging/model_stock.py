@@ -64,9 +64,6 @@ def model_stock(models, base):
 register(
     StreamingMerge(
         name="model_stock",
-        paper="https://arxiv.org/abs/2403.19522",
-        summary="per tensor, t * mean of the models + (1 - t) * theta_0 with t from the tasks' mean pairwise angle",
-        needs_base=True,
         stream_fn=model_stock,
     )
 )

@@ -33,9 +33,12 @@ in full precision, random masks drawn on the CPU, SVD signs fixed where U or V i
 mima.core.linalg).
 Data-dependent strategies ignore it: their work is forward passes on the task pool's device.
 
-Hyperparameters are declared once, in mima.merging.catalogue (which the command line reads without
-importing torch): each one's check, meaning and command-line type in HYPERPARAMETERS, and each
-strategy's defaults and paper grid in STRATEGIES, which the method reads (`defaults`, `grid`). A
+Strategies and hyperparameters are declared once, in mima.merging.catalogue (which the command line
+and the docs' tables read without importing torch): each hyperparameter's check, meaning and
+command-line type in HYPERPARAMETERS, and each strategy's kind, paper, summary, need of theta_0,
+defaults and paper grid in STRATEGIES, which the method reads (`paper`, `summary`, `needs_base`,
+`defaults`, `grid`); a strategy's module holds only its functions (and registers them as its declared
+kind: `register` checks the type against KIND_TYPES). A
 strategy whose hyperparameters depend on a setting (FW-Merging's mode) says which it uses for given
 values (`used`); a value given for a hyperparameter the setting does not use is an error, never
 silently ignored.
@@ -60,6 +63,7 @@ from mima.merging.catalogue import (  # noqa: F401  (Hyperparameter: re-exported
     HYPERPARAMETERS,
     STRATEGIES,
     Hyperparameter,
+    Paper,
     Strategy,
     check_method_name,
 )
@@ -113,13 +117,10 @@ def input_name(model: TensorMap, fallback: str) -> str:
 class MergeMethod(abc.ABC):
     """A registered merge strategy, one of four kinds (the subclasses below: StreamingMerge, ScaledMerge,
     PerTaskMerge, DataMerge), each holding the functions of its kind. What every kind shares: its name,
-    paper and summary, its hyperparameters as declared in mima.merging.catalogue.STRATEGIES (`defaults`,
-    `grid`), the checks every entry point runs, and the device it computes on."""
+    and what its declaration in mima.merging.catalogue.STRATEGIES says (`paper`, `summary`, `needs_base`,
+    `defaults`, `grid`), the checks every entry point runs, and the device it computes on."""
 
     name: str  # as declared in mima.merging.catalogue.STRATEGIES
-    paper: str
-    summary: str
-    needs_base: bool
     # Fewer task models is an error, never a quiet merge: a merge of one model is that model.
     min_models: int = 2
     # Entry by entry: no matrix product, decomposition or float reduction whose rounding follows torch's
@@ -135,6 +136,21 @@ class MergeMethod(abc.ABC):
     @property
     def declaration(self) -> Strategy:
         return STRATEGIES[self.name]
+
+    @property
+    def paper(self) -> Paper:
+        """The paper it follows (its declaration's)."""
+        return self.declaration.paper
+
+    @property
+    def summary(self) -> str:
+        """What it does, in one line (its declaration's)."""
+        return self.declaration.summary
+
+    @property
+    def needs_base(self) -> bool:
+        """It needs theta_0 (its declaration's)."""
+        return self.declaration.needs_base
 
     @property
     def defaults(self) -> dict[str, object]:
@@ -434,6 +450,9 @@ def combine(anchor: TensorMap, direction: TensorMap, lam: float) -> StateDict:
 
 
 MERGE_METHODS: dict[str, MergeMethod] = {}
+# the type of each kind a declaration names (mima.merging.catalogue.KINDS)
+KIND_TYPES: dict[str, type[MergeMethod]] = {"streaming": StreamingMerge, "scaled": ScaledMerge,
+                                            "per-task": PerTaskMerge, "data": DataMerge}
 
 
 def register(method: MergeMethod) -> MergeMethod:
@@ -441,11 +460,13 @@ def register(method: MergeMethod) -> MergeMethod:
     mistake fails at import, not mid-merge."""
     if method.name in MERGE_METHODS:
         raise ValueError(f"merge method {method.name} registered twice")
-    if not isinstance(method, (StreamingMerge, ScaledMerge, PerTaskMerge, DataMerge)):
-        raise ValueError(f"merge method {method.name} must be a StreamingMerge, ScaledMerge, PerTaskMerge or DataMerge")
     if method.name not in STRATEGIES:
         raise ValueError(f"merge method {method.name}: mima.merging.catalogue.STRATEGIES must list it "
-                         "(its module, hyperparameters and grid)")
+                         "(its module, kind, paper, hyperparameters and grid)")
+    kind = STRATEGIES[method.name].kind
+    if not isinstance(method, KIND_TYPES[kind]):
+        raise ValueError(f"merge method {method.name} is declared a {kind} strategy, so it must be a "
+                         f"{KIND_TYPES[kind].__name__}, not a {type(method).__name__}")
     check_declaration(method.name, STRATEGIES[method.name])
     if isinstance(method, ScaledMerge) and "lam" not in method.defaults:
         raise ValueError(f"merge method {method.name}: a ScaledMerge takes lam")

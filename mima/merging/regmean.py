@@ -75,9 +75,6 @@ def regmean(models, base, pool: Pool, examples: int, alpha: float) -> MergeOutpu
 register(
     DataMerge(
         name="regmean",
-        paper="https://arxiv.org/abs/2212.09849",
-        summary="least-squares merge of linear layers from their input Gram matrices; the rest averaged",
-        needs_base=False,
         data_fn=regmean,
     )
 )

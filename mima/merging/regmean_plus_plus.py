@@ -59,9 +59,6 @@ def regmean_plus_plus(models, base, pool: Pool, examples: int, alpha: float, blo
 register(
     DataMerge(
         name="regmean_plus_plus",
-        paper="https://arxiv.org/abs/2508.03121",
-        summary="RegMean block by block, each block's Gram matrices from inputs through the merged blocks below",
-        needs_base=False,
         data_fn=regmean_plus_plus,
     )
 )

@@ -178,10 +178,6 @@ class SingularValueCalibration(StreamingMerge):
 register(
     SingularValueCalibration(
         name="svc",
-        paper="https://arxiv.org/abs/2602.05536",
-        summary="another merge's matrices with each singular value divided by the mean over tasks of "
-        "max(alpha, the task's projection coefficient on that direction)",
-        needs_base=True,
         stream_fn=svc,
     )
 )

@@ -39,9 +39,6 @@ def tall_reconstruct(index: Mapping[str, torch.Tensor], task: int) -> dict[str, 
 register(
     PerTaskMerge(
         name="tall",
-        paper="https://arxiv.org/abs/2405.07813",
-        summary="shared sum of task vectors plus a TALL mask per task (one model per task)",
-        needs_base=True,
         index_fn=tall_index,
         reconstruct_fn=tall_reconstruct,
     )

@@ -19,9 +19,6 @@ def task_arithmetic(models, base):
 register(
     ScaledMerge(
         name="task_arithmetic",
-        paper="https://arxiv.org/abs/2212.04089",
-        summary="pretrained model plus lam times the sum of task vectors",
-        needs_base=True,
         scaled_fn=task_arithmetic,
         entrywise=True,
     )

@@ -129,9 +129,6 @@ def ties(models, base, k: float, trim: TrimScope):
 register(
     ScaledMerge(
         name="ties",
-        paper="https://arxiv.org/abs/2306.01708",
-        summary="trim to top-k% magnitude, elect signs, disjoint mean, scaled by lam",
-        needs_base=True,
         scaled_fn=ties,
         entrywise=True,
     )

@@ -39,9 +39,6 @@ def tsv_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
 register(
     ScaledMerge(
         name="tsv",
-        paper="https://arxiv.org/abs/2412.00081",
-        summary="per-layer task singular vectors, orthogonalised across tasks",
-        needs_base=True,
         scaled_fn=per_matrix(tsv_matrix),
     )
 )

@@ -18,9 +18,6 @@ def uniform(models, base=None):
 register(
     StreamingMerge(
         name="uniform",
-        paper="https://arxiv.org/abs/2203.05482",
-        summary="element-wise mean of the fine-tuned models",
-        needs_base=False,
         stream_fn=uniform,
         entrywise=True,
     )

@@ -81,9 +81,6 @@ def wudi(models, base, steps: int, lr: float, matrix_keys: str = EVERY_MATRIX):
 register(
     StreamingMerge(
         name="wudi",
-        paper="https://arxiv.org/abs/2503.08099",
-        summary="per matrix: Adam on sum_t ||(X - tau_t) tau_t^T||^2 / ||tau_t||^2 from the sum of task vectors",
-        needs_base=True,
         stream_fn=wudi,
     )
 )
