@@ -4,11 +4,16 @@ each place that states one gives the value of its one definition."""
 from __future__ import annotations
 
 import inspect
+import statistics
 import typing
+
+import pytest
 
 from mima.config.defaults import CHECKPOINT_EVERY_ON_CPU, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.model import TrainingMode
-from mima.core.run_folder import JOINT
+from mima.core.names import EVAL_BATCH_SIZE, JOINT, Z95
+from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
+from mima.evaluation.statistics import wilson_interval
 from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
 from mima.training.preemption import StopAgreement
 from mima.training.strategy import MimaStrategy
@@ -42,3 +47,12 @@ def test_one_process_on_one_node_where_the_config_says_nothing():
     assert configured_world_size({}) == DEVICES_DEFAULT * NUM_NODES_DEFAULT
     assert configured_world_size({"devices": 3}) == 3 and configured_world_size({"devices": 2, "num_nodes": 4}) == 8
     assert configured_world_size({"devices": "auto"}) is None
+
+
+def test_every_95_percent_interval_takes_the_normals_quantile():
+    assert Z95 == pytest.approx(statistics.NormalDist().inv_cdf(0.975), rel=1e-15)
+    assert _default(wilson_interval, "z") == Z95
+
+
+def test_the_evaluation_batch_size_has_one_default():
+    assert EvalSettings().batch_size == _default(TaskEvaluator, "batch_size") == EVAL_BATCH_SIZE == 512

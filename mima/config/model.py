@@ -14,14 +14,14 @@ from typing import Any, Literal
 
 from mima.core.errors import MimaError
 from mima.core.plan import phase_lengths, task_phase_lengths
-from mima.core.run_folder import JOINT
+from mima.core.names import JOINT
 from mima.core.settings import STEPS_MAX, VALUE_RANGES, check_section, check_value
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
 ScheduleScope = Literal["run", "phase"]
 OptimizerState = Literal["reset", "keep"]
-TrainingMode = Literal["mima", "joint"]  # a type spells its values; "joint" is mima.core.run_folder.JOINT
+TrainingMode = Literal["mima", "joint"]  # a type spells its values; "joint" is mima.core.names.JOINT
 PhaseSchedule = Literal["equal", "geometric"]
 BatchNormMode = Literal["frozen", "train"]
 
