@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mima.core.errors import MimaError
-from mima.core.run_folder import JOINT
+from mima.core.names import JOINT, Z95
 
 # Student t's 97.5 % quantile by degrees of freedom (scipy.stats.t.ppf(0.975, df); the test checks
 # them against scipy), so that the study needs no scipy
@@ -77,7 +77,7 @@ def t975(df: int) -> float:
     Cornish-Fisher expansion about the normal quantile (within 1e-5 of it from 11 on)."""
     if df in T975:
         return T975[df]
-    z = 1.959963984540054
+    z = Z95
     terms = ((z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96,
              (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384,
              (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160)

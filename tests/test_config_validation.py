@@ -1,6 +1,6 @@
 """A run config's file and numbers are checked before anything runs, the same way by `mima fit` and
 `mima plan` (issue 40): a YAML alias bomb, a file that is not UTF-8, a section that is not a mapping and
-every number outside its range (mima.core.settings.VALUE_RANGES) are one line on stderr, exit status 2,
+every number outside its declared range (mima.core.settings.option) are one line on stderr, exit status 2,
 no traceback, and no run folder."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mima.config.options import check_value
 from mima.config.source import read_config_file
 from mima.core.bounded_yaml import MAX_CONFIG_BYTES, MAX_CONFIG_NODES
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
-from mima.core.settings import LIGHTNING_SEED_MAX, SEED_MAX, SYNC_LAMBDA_MAX, check_value
+from mima.core.settings import LIGHTNING_SEED_MAX, SEED_MAX, SYNC_LAMBDA_MAX
 from tests.conftest import fit_config
 from tests.helpers import assert_one_line, cli
 

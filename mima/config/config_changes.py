@@ -2,17 +2,21 @@
 
 A run folder's config.yaml is the config that produced its weights, and must go on reproducing them
 bit for bit. A resume therefore compares the config it is given with the stored one, key by key
-(nested sections flattened to dotted keys, lists compared whole):
+(nested sections flattened to dotted keys, lists compared whole), and treats each changed key as its
+option's declaration says (`resume`, mima.core.settings.ResumeRule; read through mima.config.options):
 
-- a key that cannot change the weights (`HARMLESS`: progress bars, logging, data-loader workers, the
-  checkpoint interval, timeouts, caches, callbacks) may change; the run folder records each such change
+- "may change": the key cannot change the weights (progress bars, logging, data-loader workers, the
+  checkpoint interval, timeouts, caches, callbacks); the run folder records each such change
   (config_changes.jsonl) and config.yaml takes the new value;
-- the process layout (`LAYOUT`: trainer.devices, trainer.num_nodes) may change only where the layout
-  check allows it: today, when the number of processes stays the same (elastic resume will widen
-  this);
-- any other change (every model: and data: value that shapes the training, seed_everything, the
-  accelerator, precision, threads per process, a key unknown to this list) is refused before anything
-  is written, in one line naming each changed key with its old and new value.
+- "same processes" (trainer.devices, trainer.num_nodes): may change only where the layout check allows
+  it: today, when the number of processes stays the same (elastic resume will widen this);
+- "not compared": how this command was called (--out, --ckpt_path, --overwrite, ...), never compared;
+- "fixed", and any key no option declares (every model: and data: value that shapes the training,
+  seed_everything, the accelerator, precision, threads per process): a change is refused before
+  anything is written, in one line naming each changed key with its old and new value.
+
+A stored config without an option that was added after it was written reads as the option's
+`older_runs` value (the value that does what those runs did).
 """
 
 from __future__ import annotations
@@ -22,34 +26,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mima.config.options import OPTIONS, declared
 from mima.core.errors import MimaError
-
-# How this command was called, not what it computes: never compared (the run folder is the same by
-# construction, whatever --out template named it).
-INVOCATION = frozenset({"config", "out", "ckpt_path", "overwrite", "accept_data_change"})
-# Keys (or sections: a prefix covers every key under it) whose value cannot change the weights.
-HARMLESS = frozenset({
-    "checkpoint_every", "keep_checkpoints", "collective_timeout",  # when states are saved, how long to wait
-    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.logger", "trainer.log_every_n_steps",
-    "trainer.enable_checkpointing", "trainer.default_root_dir", "trainer.profiler", "trainer.callbacks",
-    "data.num_workers", "data.eval_batch_size", "data.download", "data.cache_dir",  # workers; evaluation only
-    "model.cache_dir",  # where the embedded models and heads are cached (the same bytes wherever they are)
-    "model.grad_checkpointing",  # the same activations, recomputed in the backward pass instead of kept
-})
-# Options added after runs were written, with the value that does what the runs written before did:
-# a stored config without the key equals one with that value.
-ADDED_LATER = {
-    "model.quick_gelu": "auto",  # the activation as a tag says; a weight file was refused or now says it
-    "model.proximal_mu": 0.0,  # no proximal term: MIMA's loss
-    # "auto" is eager on the CPU, as every run before the option was; a GPU run written before it (eager)
-    # and resumed with "auto" compiles from the resume on: say --model.compile false to keep it eager
-    "model.compile": "auto",
-    # every run before the option stepped its tasks one after another: "auto" is off on the CPU, and a
-    # resume's state says how the run stepped (MimaModule refuses a resume that would step otherwise)
-    "model.batch_tasks": "auto",
-}
-# Keys that may change only where the layout check passes (the same number of processes, for now).
-LAYOUT = frozenset({"trainer.devices", "trainer.num_nodes"})
+from mima.core.settings import ResumeRule
 
 ABSENT = "(not set)"
 
@@ -78,9 +57,16 @@ def flatten(config: Mapping, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _covered(key: str, names: frozenset[str]) -> bool:
-    parts = key.split(".")
-    return any(".".join(parts[:length]) in names for length in range(1, len(parts) + 1))
+def resume_rule(key: str) -> ResumeRule:
+    """What a resume may do with a changed `key` (that of the option it belongs to; "fixed" if none)."""
+    facts = declared(key)
+    return "fixed" if facts is None else facts.resume
+
+
+def older_runs_value(key: str) -> Any:
+    """What a stored config without the option `key` means: its value for runs written before it, else ABSENT."""
+    facts = OPTIONS.get(key)
+    return ABSENT if facts is None or facts.older_runs is None else facts.older_runs
 
 
 def compare_configs(stored: Mapping, new: Mapping, same_layout: Callable[[Mapping, Mapping], bool]) -> ConfigChanges:
@@ -90,10 +76,10 @@ def compare_configs(stored: Mapping, new: Mapping, same_layout: Callable[[Mappin
     changes = ConfigChanges()
     layout_allowed = same_layout(stored, new)
     for key in sorted(set(old_flat) | set(new_flat)):
-        old, value = old_flat.get(key, ADDED_LATER.get(key, ABSENT)), new_flat.get(key, ABSENT)
-        if old == value or (_empty(old) and _empty(value)) or _covered(key, INVOCATION):
+        old, value, rule = old_flat.get(key, older_runs_value(key)), new_flat.get(key, ABSENT), resume_rule(key)
+        if old == value or (_empty(old) and _empty(value)) or rule == "not compared":
             continue
-        if _covered(key, HARMLESS) or (_covered(key, LAYOUT) and layout_allowed):
+        if rule == "may change" or (rule == "same processes" and layout_allowed):
             changes.harmless[key] = (old, value)
         else:
             changes.refused[key] = (old, value)

@@ -1,4 +1,5 @@
-"""The `model:` section of a run: every option of MIMA fine-tuning, its type and its default.
+"""The `model:` section of a run: every option of MIMA fine-tuning, its type, its default and its other
+facts (range, resume rule, value for older runs: mima.core.settings.option).
 
 This dataclass is the one place where these options are written. MimaModule takes exactly its
 fields as keyword arguments (mima.core.settings.takes_settings), so `mima fit` (LightningCLI) and
@@ -14,16 +15,27 @@ from typing import Any, Literal
 
 from mima.core.errors import MimaError
 from mima.core.plan import phase_lengths, task_phase_lengths
-from mima.core.run_folder import JOINT
-from mima.core.settings import STEPS_MAX, VALUE_RANGES, check_section, check_value
+from mima.core.names import JOINT
+from mima.core.settings import (OUTER_LR_MAX, OUTER_MOMENTUM_MAX, PROXIMAL_MU_MAX, STEPS_MAX, SYNC_LAMBDA_MAX, ValueRange,
+                                check_fields, option)
 
 HeadKind = Literal["zero_shot", "linear_probe"]
 ScheduleName = Literal["cosine", "constant"]
 ScheduleScope = Literal["run", "phase"]
 OptimizerState = Literal["reset", "keep"]
-TrainingMode = Literal["mima", "joint"]  # a type spells its values; "joint" is mima.core.run_folder.JOINT
+TrainingMode = Literal["mima", "joint"]  # a type spells its values; "joint" is mima.core.names.JOINT
 PhaseSchedule = Literal["equal", "geometric"]
 BatchNormMode = Literal["frozen", "train"]
+
+STEP_COUNT = ValueRange(int, 1, STEPS_MAX)  # steps per task (each S_t of a map), phases, probe shots
+# the hyperparameters of a sync merge that mima checks (model.sync_merge_args.NAME); another merge's
+# own names are checked by the merge (mima.training.sync_merge)
+SYNC_MERGE_ARGS = {
+    "lam": ValueRange(float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX),
+    "mask_lam": ValueRange(float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX, listed=True),  # one per task
+    "outer_lr": ValueRange(float, 0, OUTER_LR_MAX, above_low=True),
+    "outer_momentum": ValueRange(float, 0, OUTER_MOMENTUM_MAX),
+}
 
 
 @dataclass(frozen=True)
@@ -124,31 +136,39 @@ class ModelSettings:
             compile true (auto turns off there). A resume keeps the run's value.
     """
 
-    clip: str = "ViT-B-32"
-    pretrained: str | None = "openai"
-    quick_gelu: bool | Literal["auto"] = "auto"
-    steps: int | dict[str, int] = 2000
-    iterations: int = 20
-    lr: float = 1e-5
-    weight_decay: float = 0.1
-    warmup_steps: int = 200
-    lr_schedule: ScheduleName = "cosine"
-    schedule_scope: ScheduleScope = "run"
-    optimizer_state: OptimizerState = "keep"
-    heads: HeadKind = "zero_shot"
-    batchnorm: BatchNormMode = "frozen"
-    cache_dir: str | None = None
-    mode: TrainingMode = "mima"
-    segment_warmup_steps: int = 0
-    probe_shots: int | None = None
-    grad_checkpointing: bool | Literal["auto"] = "auto"
-    sync_merge: str = "uniform"
-    sync_merge_args: dict[str, Any] | None = None
-    phase_schedule: PhaseSchedule = "equal"
-    phase_ratio: float = 2.0
-    proximal_mu: float = 0.0
-    compile: bool | Literal["auto"] = "auto"
-    batch_tasks: bool | Literal["auto"] = "auto"
+    clip: str = option("ViT-B-32")
+    pretrained: str | None = option("openai")
+    # the activation as a tag says; a weight file was refused before the option, or now says it
+    quick_gelu: bool | Literal["auto"] = option("auto", older_runs="auto")
+    steps: int | dict[str, int] = option(2000, bounds=STEP_COUNT, entries=STEP_COUNT)
+    iterations: int = option(20, bounds=STEP_COUNT)
+    lr: float = option(1e-5, bounds=ValueRange(float, 0, 10.0, above_low=True))
+    weight_decay: float = option(0.1, bounds=ValueRange(float, 0, 100.0))
+    warmup_steps: int = option(200, bounds=ValueRange(int, 0, STEPS_MAX))
+    lr_schedule: ScheduleName = option("cosine")
+    schedule_scope: ScheduleScope = option("run")
+    optimizer_state: OptimizerState = option("keep")
+    heads: HeadKind = option("zero_shot")
+    batchnorm: BatchNormMode = option("frozen")
+    # where the embedded models and heads are cached (the same bytes wherever they are)
+    cache_dir: str | None = option(None, resume="may change")
+    mode: TrainingMode = option("mima")
+    segment_warmup_steps: int = option(0, bounds=ValueRange(int, 0, STEPS_MAX))
+    probe_shots: int | None = option(None, bounds=STEP_COUNT)
+    # the same activations, recomputed in the backward pass instead of kept
+    grad_checkpointing: bool | Literal["auto"] = option("auto", resume="may change")
+    sync_merge: str = option("uniform")
+    sync_merge_args: dict[str, Any] | None = option(None, entries=SYNC_MERGE_ARGS)
+    phase_schedule: PhaseSchedule = option("equal")
+    phase_ratio: float = option(2.0, bounds=ValueRange(float, 0.01, 100.0))
+    # no proximal term: MIMA's loss, as every run before the option
+    proximal_mu: float = option(0.0, bounds=ValueRange(float, 0, PROXIMAL_MU_MAX), older_runs=0.0)
+    # "auto" is eager on the CPU, as every run before the option was; a GPU run written before it (eager)
+    # and resumed with "auto" compiles from the resume on: say --model.compile false to keep it eager
+    compile: bool | Literal["auto"] = option("auto", older_runs="auto")
+    # every run before the option stepped its tasks one after another: "auto" is off on the CPU, and a
+    # resume's state says how the run stepped (MimaModule refuses a resume that would step otherwise)
+    batch_tasks: bool | Literal["auto"] = option("auto", older_runs="auto")
 
     def __post_init__(self) -> None:
         self.check_ranges()
@@ -188,17 +208,9 @@ class ModelSettings:
             raise MimaError(f"model.batch_tasks=true does not go with {conflict}; set model.batch_tasks false (or auto)")
 
     def check_ranges(self) -> None:
-        """Each number against its range (mima.core.settings.VALUE_RANGES): before any is computed with."""
-        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        if isinstance(self.steps, dict):  # a budget per task, each checked below under its task's name
-            del fields["steps"]
-        check_section("model", fields)
-        if isinstance(self.steps, dict):
-            for task, budget in self.steps.items():
-                check_value("model.steps", budget, f"model.steps.{task}")
-        for name, value in (self.sync_merge_args or {}).items():
-            if f"model.sync_merge_args.{name}" in VALUE_RANGES:
-                check_value(f"model.sync_merge_args.{name}", value)
+        """Each number against its declared range (a map's entries each against theirs): before any is
+        computed with."""
+        check_fields("model", self)
         if self.phase_schedule == "geometric" and self.iterations > 1:
             # the longest phase is phase_ratio^(N-1) times the shortest, and no phase may be empty: past the
             # step bound (and long before a float overflows computing the power) the shortest gets no step

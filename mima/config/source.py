@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mima.config.fit_options import RUN_OPTIONS
 from mima.core.bounded_yaml import bounded_yaml, read_bounded_yaml
 from mima.core.errors import MimaError
-from mima.core.settings import check_section, check_value
+from mima.core.settings import check_section
 
 __all__ = ["bounded_yaml", "check_config_source", "check_run_values", "check_trainer_options", "config_mapping",
            "read_config_file"]
@@ -49,18 +50,18 @@ def config_mapping(loaded: Any, name: str) -> Mapping:
 
 def check_run_values(config: Mapping[str, Any]) -> None:
     """The numbers of a run config outside model: and data: against their ranges
-    (mima.core.settings.VALUE_RANGES): seed_everything, --collective_timeout, --threads_per_process and the
+    (mima.config.fit_options): seed_everything, --collective_timeout, --threads_per_process and the
     trainer's devices, num_nodes and accumulate_grad_batches. `seed_everything: true` is Lightning's
     "choose a seed"; trainer.devices may also be "auto" or a list of device indices."""
     top = {key: value for key, value in config.items() if not (key == "seed_everything" and isinstance(value, bool))}
-    check_section("", top)
+    check_section(RUN_OPTIONS, "", top)
     trainer = config.get("trainer") or {}
     if not isinstance(trainer, Mapping):
         return  # named by config_mapping
     devices = trainer.get("devices")
     if (isinstance(devices, int) and not isinstance(devices, bool)) or (isinstance(devices, str) and DIGITS.fullmatch(devices)):
-        check_value("trainer.devices", devices)
-    check_section("trainer", {key: value for key, value in trainer.items() if key != "devices"})
+        check_section(RUN_OPTIONS, "trainer", {"devices": devices})
+    check_section(RUN_OPTIONS, "trainer", {key: value for key, value in trainer.items() if key != "devices"})
     check_trainer_options(trainer)
 
 

@@ -48,6 +48,7 @@ import torch
 
 from mima.core.bounded_yaml import read_bounded_yaml
 from mima.core.errors import MimaError
+from mima.core.names import JOINT  # the joint baseline's one final model: final/joint.safetensors
 from mima.core.files import read_json, read_json_lines, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.run_lock import LOCK_NAME
 from mima.core.safetensors_io import load_state_dict, save_state_dict
@@ -56,7 +57,6 @@ StateDict = dict[str, torch.Tensor]
 
 REPORT_FILES = ("report.md", "report.html")
 REPLACED_PREFIX = ".replaced-"  # an earlier run moved aside by `mima fit --overwrite`
-JOINT = "joint"  # the joint multi-task baseline's one final model: final/joint.safetensors
 # Names a task may not take (in any case): final/joint.* is the joint baseline's; "mean" is the task
 # average's column in the results tables (mima.evaluation.results).
 RESERVED_TASK_NAMES = (JOINT, "mean")

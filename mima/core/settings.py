@@ -5,6 +5,10 @@ mima.data.settings.DataSettings) takes them as keyword arguments, so that Lightn
 jsonargparse, which read constructor signatures, offer exactly the dataclass's fields with its
 types, defaults and documentation. The dataclass stays the one place where an option and its
 default are written; `mima fit` and every command that reads a run config see the same.
+
+Each field is declared with `option(default, ...)`, which keeps the option's other facts (its range,
+what a resume may do with it, its value for runs written before it) in the field's metadata, so that
+the checks, the resume rule and the documentation's table of options are read from the field.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import math
 import os
 import typing
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from mima.core.errors import MimaError
 
 Component = TypeVar("Component", bound=type)
+Value = TypeVar("Value")
 
 
 def keyword_signature(settings: type) -> inspect.Signature:
@@ -55,11 +60,13 @@ def takes_settings(settings: type) -> Callable[[Component], Component]:
     return adopt
 
 
-# ------------------------------------------------------------------ the ranges of a run's numbers
-# Every number a run config (or `mima fit`'s command line) gives, with its type and the values that make
-# sense, written once: ModelSettings and DataSettings check their fields against it when they are built
-# (so `mima fit`, `mima plan` and every command that loads a run config refuse the same values with the
-# same line), and mima.config.limits checks the trainer: keys, seed_everything and fit's own options.
+# ------------------------------------------------------------------ an option's facts, declared with it
+# Every option of a run (a field of ModelSettings, DataSettings or mima.config.fit_options.FitOptions; the
+# Lightning options mima sets or checks in mima.config.fit_options) is declared once with its facts: its
+# default, the range of a number, whether a resume may change it and the value that runs written before
+# it existed behave as. The checks (ModelSettings and DataSettings when they are built; `mima fit`'s
+# command line before Lightning loads), the resume rule (mima.config.config_changes) and the table of
+# options in docs/configuration.md (mima.config.options) are all read from these declarations.
 # A value outside its range is refused in one line naming the key, the value and the range: unbounded
 # values only fail later (an OverflowError, a plan of 1e28 TB, a loss of NaN from step one, a hung job).
 
@@ -80,92 +87,139 @@ PROXIMAL_MU_MAX = 100.0
 THREADS_PER_CORE_MAX = 4  # --threads_per_process: more threads than 4 per core only oversubscribe
 COLLECTIVE_TIMEOUT_MAX_S = 7 * 24 * 3600  # a week (datetime.timedelta and NCCL take far more; nothing waits longer)
 
+# What a resume (`mima fit --ckpt_path last`) may do with an option whose value differs from the run's:
+#   "fixed"          the option can change the weights: the resume is refused (the default)
+#   "may change"     it cannot: the resume goes on and the run folder records the change
+#   "same processes" the process layout: it may change where the layout check passes (the same number
+#                    of processes, for now)
+#   "not compared"   how the command was called, not what it computes (the run folder is the same by
+#                    construction, whatever --out template named it)
+ResumeRule = Literal["fixed", "may change", "same processes", "not compared"]
+FACTS = "mima.option"  # the key of an option's facts in its dataclass field's metadata
+
 
 def cores() -> int:
     return os.cpu_count() or 1
 
 
 @dataclasses.dataclass(frozen=True)
+class PerCore:
+    """An upper bound that grows with the machine: `factor` times its cores."""
+
+    factor: int
+
+    def __call__(self) -> int:
+        return self.factor * cores()
+
+    def __str__(self) -> str:
+        return f"{self.factor} x the cores"
+
+
+@dataclasses.dataclass(frozen=True)
 class ValueRange:
-    """A key's type (int or float) and its range low .. high (inclusive; `above_low`: low excluded);
+    """A number's type (int or float) and its range low .. high (inclusive; `above_low`: low excluded);
     `listed`: a list of such values (one per task) is taken too."""
 
-    key: str
     kind: type
     low: float
-    high: float | Callable[[], float]
+    high: float | PerCore
     above_low: bool = False
     listed: bool = False
 
     def upper(self) -> float:
-        return self.high() if callable(self.high) else self.high
+        return self.high() if isinstance(self.high, PerCore) else self.high
 
     def expected(self) -> str:
+        """The range in an error line (a per-core bound as this machine's number)."""
+        return self.words(self.upper())
+
+    def words(self, high: float | PerCore) -> str:
         if self.kind is int:
-            return f"an integer in {self.low} .. {self.upper()}"
+            return f"an integer in {self.low} .. {high}"
         if self.above_low:
-            return f"a finite number > {self.low:g} and <= {self.upper():g}"
-        return f"a finite number in {self.low:g} .. {self.upper():g}"
+            return f"a finite number > {self.low:g} and <= {high:g}"
+        return f"a finite number in {self.low:g} .. {high:g}"
+
+    def check(self, name: str, value: object) -> None:
+        """Refuse, in one line naming `name`, a value of the wrong type or out of the range; None (not
+        set) passes, and a string passes when it spells a number in range (YAML reads `1e-3` as a
+        string, which the config parser converts). A list, where the range takes one value per task,
+        is checked item by item."""
+        if value is None:
+            return
+        if isinstance(value, list | tuple) and self.listed:
+            for item in value:
+                self.check(name, item)
+            return
+        number = _number(value, self.kind)
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        if number is None or (isinstance(number, float) and not math.isfinite(number)):
+            raise MimaError(f"{name}: {shown} is not {self.expected()}")
+        too_low = number <= self.low if self.above_low else number < self.low
+        if too_low or number > self.upper():
+            raise MimaError(f"{name}: {shown} is out of range; expected {self.expected()}")
 
 
-VALUE_RANGES: dict[str, ValueRange] = {bound.key: bound for bound in (
-    ValueRange("seed_everything", int, 0, LIGHTNING_SEED_MAX),
-    ValueRange("model.steps", int, 1, STEPS_MAX),
-    ValueRange("model.iterations", int, 1, STEPS_MAX),
-    ValueRange("model.lr", float, 0, 10.0, above_low=True),
-    ValueRange("model.weight_decay", float, 0, 100.0),
-    ValueRange("model.warmup_steps", int, 0, STEPS_MAX),
-    ValueRange("model.segment_warmup_steps", int, 0, STEPS_MAX),
-    ValueRange("model.probe_shots", int, 1, STEPS_MAX),
-    ValueRange("model.phase_ratio", float, 0.01, 100.0),
-    ValueRange("model.sync_merge_args.lam", float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX),
-    ValueRange("model.sync_merge_args.mask_lam", float, -SYNC_LAMBDA_MAX, SYNC_LAMBDA_MAX, listed=True),
-    ValueRange("model.sync_merge_args.outer_lr", float, 0, OUTER_LR_MAX, above_low=True),
-    ValueRange("model.sync_merge_args.outer_momentum", float, 0, OUTER_MOMENTUM_MAX),
-    ValueRange("model.proximal_mu", float, 0, PROXIMAL_MU_MAX),
-    ValueRange("data.batch_size", int, 1, BATCH_MAX),
-    ValueRange("data.eval_batch_size", int, 1, BATCH_MAX),
-    ValueRange("data.num_workers", int, 0, 1024),  # the machine that plans a run need not be the one that runs it
-    ValueRange("data.seed", int, 0, SEED_MAX),
-    ValueRange("data.split_seed", int, 0, SEED_MAX),
-    ValueRange("trainer.devices", int, 1, 2**16),
-    ValueRange("trainer.num_nodes", int, 1, 2**16),
-    ValueRange("trainer.accumulate_grad_batches", int, 1, BATCH_MAX),
-    ValueRange("collective_timeout", int, 1, COLLECTIVE_TIMEOUT_MAX_S),
-    ValueRange("threads_per_process", int, 1, lambda: THREADS_PER_CORE_MAX * cores()),
-)}
+@dataclasses.dataclass(frozen=True)
+class OptionFacts:
+    """What an option's declaration says besides its type and default.
+
+    bounds: the range of a number (None: not a number, or any value).
+    entries: where the option may be a map: the range of every entry, or of each named entry (an
+        entry not named is not a number mima checks); an entry is named KEY.ENTRY in an error line.
+    resume: what a resume may do with a changed value (ResumeRule).
+    older_runs: the value that does what the runs written before the option existed did (a stored
+        config without the option equals one with this value); None: the option is as old as the runs.
+    help: the command-line help of an option that no docstring documents (fit's own options).
+    """
+
+    bounds: ValueRange | None = None
+    entries: ValueRange | Mapping[str, ValueRange] | None = None
+    resume: ResumeRule = "fixed"
+    older_runs: object = None
+    help: str = ""
+
+    def check(self, name: str, value: object) -> None:
+        """Refuse, in one line, a value out of the option's range (a map's entries each against theirs)."""
+        if isinstance(value, Mapping) and self.entries is not None:
+            for entry, item in value.items():
+                bounds = self.entries if isinstance(self.entries, ValueRange) else self.entries.get(entry)
+                if bounds is not None:
+                    bounds.check(f"{name}.{entry}", item)
+        elif self.bounds is not None:
+            self.bounds.check(name, value)
 
 
-def check_value(key: str, value: object, name: str | None = None) -> None:
-    """Refuse, in one line, a value of `key` (VALUE_RANGES) of the wrong type or out of its range; None
-    (not set) passes, and a string passes when it spells a number in range (YAML reads `1e-3` as a
-    string, which the config parser converts). A list, where the key takes one value per task, is
-    checked item by item.
-    `name`: the key as the message names it (a per-task budget: model.steps.TASK)."""
-    bound = VALUE_RANGES[key]
-    name = name or key
-    if value is None:
-        return
-    if isinstance(value, list | tuple) and bound.listed:
-        for item in value:
-            check_value(key, item, name)
-        return
-    number = _number(value, bound.kind)
-    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
-    if number is None or (isinstance(number, float) and not math.isfinite(number)):
-        raise MimaError(f"{name}: {shown} is not {bound.expected()}")
-    too_low = number <= bound.low if bound.above_low else number < bound.low
-    if too_low or number > bound.upper():
-        raise MimaError(f"{name}: {shown} is out of range; expected {bound.expected()}")
+def option(default: Value, *, bounds: ValueRange | None = None,
+           entries: ValueRange | Mapping[str, ValueRange] | None = None, resume: ResumeRule = "fixed",
+           older_runs: object = None, help: str = "") -> Value:
+    """A settings dataclass field: its default, and its facts (OptionFacts) in the field's metadata."""
+    facts = OptionFacts(bounds, entries, resume, older_runs, help)
+    return dataclasses.field(default=default, metadata={FACTS: facts})
 
 
-def check_section(section: str, values: Mapping[str, object]) -> None:
-    """Every key of VALUE_RANGES under `section` ("model", "trainer"; "" for the top level) in `values`."""
+def declared_options(settings: type, prefix: str = "") -> dict[str, OptionFacts]:
+    """The facts of every field of a settings dataclass, by the key a run config gives it (`prefix` + name)."""
+    return {f"{prefix}{field.name}": field.metadata.get(FACTS, OptionFacts()) for field in dataclasses.fields(settings)}
+
+
+def check_fields(section: str, settings: object) -> None:
+    """Every field of a settings dataclass instance against its declared range, in field order, each
+    named `section.field`."""
+    for field in dataclasses.fields(settings):  # type: ignore[arg-type]
+        facts = field.metadata.get(FACTS)
+        if facts is not None:
+            facts.check(f"{section}.{field.name}", getattr(settings, field.name))
+
+
+def check_section(options: Mapping[str, OptionFacts], section: str, values: Mapping[str, object]) -> None:
+    """The values of one section of a config (`section`: "trainer"; "" for the top level) against the
+    ranges of `options` (keyed as a config gives them); keys without declared facts pass."""
     prefix = f"{section}." if section else ""
-    for key in VALUE_RANGES:
-        rest = key[len(prefix):] if key.startswith(prefix) else None
-        if rest and "." not in rest and rest in values:
-            check_value(key, values[rest])
+    for name, value in values.items():
+        facts = options.get(f"{prefix}{name}")
+        if facts is not None:
+            facts.check(f"{prefix}{name}", value)
 
 
 def _number(value: object, kind: type) -> float | None:

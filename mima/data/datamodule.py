@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from mima.core.layout import TaskLayout
 from mima.core.plan import PhasePlan, phase_lengths, plan_for_budgets
 from mima.core.settings import takes_settings
-from mima.core.run_folder import JOINT  # model.mode of the joint baseline, and its final model's name
+from mima.core.names import JOINT  # model.mode of the joint baseline, and its final model's name
 from mima.data.cache_augment import BatchPreparer, CachedTrainingSet, crop_settings, whole_batch
 from mima.core.cache_dir import default_data_cache_dir
 from mima.data.cache_store import SPLITS, CachedTask, eval_geometry, load_cached_task

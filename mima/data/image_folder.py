@@ -63,7 +63,7 @@ from mima.data.tasks import LoadOptions, TaskData, TaskSpec, check_templates
 from mima.core.errors import MimaError
 from mima.core.run_folder import RESERVED_TASK_NAMES
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+from mima.core.names import IMAGE_EXTENSIONS  # the files read as images (mima.data.prepare extracts the same)
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a photo of the {}.", "an image of a {}.")
 SPLIT_FOLDERS = ("train", "val", "test")
 TEST_FRACTION = 0.2

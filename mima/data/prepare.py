@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mima.core.errors import MimaError
+from mima.core.names import IMAGE_EXTENSIONS
 from mima.data import clip_text as text
 from mima.data.archives import archive_files, copy_to, damaged_archive, nested_tar_files, safe_parts, staged_folder
 from mima.data.check import STATUS_FOUND, check_task
@@ -47,7 +48,6 @@ from mima.data.clip_tasks import REAL_TASKS, SUN397_FOLDERS, Piece, RealTask
 
 EUROSAT_HELD_OUT_PER_CLASS = 270  # validation and test images per class (2,700 each over 10 classes)
 EUROSAT_SEED = 0
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".ppm")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Recipe:
 
 # --------------------------------------------------------------------------------- helpers
 def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMAGE_SUFFIXES)
+    return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def _class_and_file(name: str) -> tuple[str, str] | None:

@@ -1,6 +1,7 @@
 """The `data:` section of a run: which tasks, where their files are, how batches are made.
 
-This dataclass is the one place where these options are written. TaskSuiteDataModule takes exactly
+This dataclass is the one place where these options are written, each with its default and its other
+facts (range, resume rule: mima.core.settings.option). TaskSuiteDataModule takes exactly
 its fields as keyword arguments (mima.core.settings.takes_settings), so `mima fit` (LightningCLI)
 and every command that reads a run config (mima.config.run_config, which imports no Lightning)
 parse the same options with the same defaults.
@@ -11,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mima.core.errors import MimaError
-from mima.core.settings import check_section
+from mima.core.settings import BATCH_MAX, SEED_MAX, ValueRange, check_fields, option
 from mima.data.image_folder import FolderTask
+
+BATCH_SIZE = ValueRange(int, 1, BATCH_MAX)
+SEED = ValueRange(int, 0, SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -50,22 +54,23 @@ class DataSettings:
         cache_dir: where the cache is written (default $MIMA_CACHE_DIR/data or ~/.cache/mima/data).
     """
 
-    suite: str | None = "digits"
-    tasks: list[str] | None = None
-    benchmark: str | int | None = None
-    root: str | None = None
-    batch_size: int = 128
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    seed: int = 0
-    split_seed: int = 0
-    download: bool = False
-    custom_tasks: list[FolderTask] | None = None
-    cache: bool = False
-    cache_dir: str | None = None
+    suite: str | None = option("digits")
+    tasks: list[str] | None = option(None)
+    benchmark: str | int | None = option(None)
+    root: str | None = option(None)
+    batch_size: int = option(128, bounds=BATCH_SIZE)
+    eval_batch_size: int = option(256, bounds=BATCH_SIZE, resume="may change")  # evaluation only
+    # the machine that plans a run need not be the one that runs it: no bound from this machine's cores
+    num_workers: int = option(0, bounds=ValueRange(int, 0, 1024), resume="may change")
+    seed: int = option(0, bounds=SEED)
+    split_seed: int = option(0, bounds=SEED)
+    download: bool = option(False, resume="may change")  # the same files, fetched or found
+    custom_tasks: list[FolderTask] | None = option(None)
+    cache: bool = option(False)
+    cache_dir: str | None = option(None, resume="may change")  # the same images wherever the cache is
 
     def __post_init__(self) -> None:
-        check_section("data", {name: getattr(self, name) for name in self.__dataclass_fields__})
+        check_fields("data", self)
         if self.benchmark is not None:
             object.__setattr__(self, "benchmark", str(self.benchmark))  # `benchmark: 8` in YAML is an int
             benchmark_tasks(self.suite, self.tasks, self.benchmark)  # its mistakes, now

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mima.core.errors import MimaError
+from mima.core.names import EVAL_BATCH_SIZE
 from mima.evaluation.cache_use import CacheUse
 from mima.evaluation.cached_batches import CachedBatches, cached_rows
 from mima.evaluation.loader_pool import LoaderPool
@@ -65,7 +66,7 @@ class EvalSettings:
     """
 
     precision: str = "32-true"
-    batch_size: int = 512
+    batch_size: int = EVAL_BATCH_SIZE
     num_workers: int = 0
     pin_memory: bool = False
     prefetch_factor: int = 2
@@ -211,7 +212,7 @@ class TaskEvaluator:
         encoder: nn.Module,
         heads: Mapping[str, torch.Tensor],
         datasets: Mapping[str, Dataset],
-        batch_size: int = 512,
+        batch_size: int = EVAL_BATCH_SIZE,
         settings: EvalSettings | None = None,
         loaders: LoaderPool | None = None,
     ) -> None:

@@ -11,16 +11,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mima.core.run_folder import JOINT  # noqa: E402
+from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT  # noqa: E402
 from mima.evaluation.results import ModelResult  # noqa: E402
 
 
 def plot_accuracy_vs_n(results: Sequence[ModelResult], path: Path) -> None:
     n_values = sorted({r.N for r in results})
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"fine_tuned": dict(color="black", linestyle="--"), "zero_shot": dict(color="grey", linestyle=":"),
+    styles = {FINE_TUNED: dict(color="black", linestyle="--"), ZERO_SHOT: dict(color="grey", linestyle=":"),
               JOINT: dict(color="black", linestyle="-.", marker="")}
-    labels = {"fine_tuned": "fine-tuned (each task's own model)", "zero_shot": "zero-shot (pretrained)",
+    labels = {FINE_TUNED: "fine-tuned (each task's own model)", ZERO_SHOT: "zero-shot (pretrained)",
               JOINT: "joint multi-task training (one model, same S)"}
     for model in dict.fromkeys(r.model for r in results):
         # one point per N: the mean over that N's seeds, with the sample standard deviation as an error bar

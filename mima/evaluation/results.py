@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import fmean, stdev
 
+from mima.core.names import FINE_TUNED
 from mima.evaluation.statistics import ALPHA, excludes_zero
 
 MEAN_OVER_SEEDS = "mean"  # the `seed` of an aggregate row
@@ -124,7 +125,7 @@ class SeedSummary:
 
     def mean_cos_tau(self) -> tuple[float, float] | None:
         values = [run.mean_cos_tau for run in self.runs]
-        return None if self.model != "fine_tuned" or None in values else _mean_std(values)
+        return None if self.model != FINE_TUNED or None in values else _mean_std(values)
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -165,7 +166,7 @@ def several_seeds(results: Iterable[ModelResult]) -> bool:
 
 def fine_tuned_by_run(results: Iterable[ModelResult]) -> dict[tuple[int, int | None], ModelResult]:
     """Each run's fine-tuned result, by (N, seed): the reference of relative accuracy and gap."""
-    return {(r.N, r.seed): r for r in results if r.model == "fine_tuned"}
+    return {(r.N, r.seed): r for r in results if r.model == FINE_TUNED}
 
 
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mima.core.files import read_json, write_json_atomic, write_text_atomic
+from mima.core.names import FINE_TUNED
 from mima.core.run_folder import SweepFolder
 from mima.evaluation.results import (
     MEAN_OVER_SEEDS,
@@ -52,7 +53,7 @@ def results_rows(results: Sequence[ModelResult]) -> list[dict]:
     with_seed = several_seeds(results)
     rows = []
     for result in results:
-        cos = result.mean_cos_tau if result.model == "fine_tuned" else None
+        cos = result.mean_cos_tau if result.model == FINE_TUNED else None
         seed = {"seed": result.seed} if with_seed else {}
         for task, value in result.accuracy.items():
             rows.append({"N": result.N, "model": result.model, "task": task, **seed, "accuracy": value, "mean_cos_tau": cos,
@@ -128,7 +129,7 @@ def csv_text(results: Sequence[ModelResult]) -> str:
     for result in results:
         fine_tuned = reference.get((result.N, result.seed))
         gaps = single_task_gap(result, fine_tuned) if fine_tuned else {}
-        cos = "" if result.mean_cos_tau is None or result.model != "fine_tuned" else f"{result.mean_cos_tau:.4f}"
+        cos = "" if result.mean_cos_tau is None or result.model != FINE_TUNED else f"{result.mean_cos_tau:.4f}"
         params = json.dumps(result.hparams) if result.hparams else ""
         seed = "" if result.seed is None else result.seed
         for task, value in result.accuracy.items():

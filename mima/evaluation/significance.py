@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 from mima.evaluation.results import Comparison, ModelResult
 from mima.evaluation.statistics import (
     bootstrap_mean_interval,
@@ -28,9 +29,9 @@ from mima.evaluation.statistics import (
     wilson_interval,
 )
 
-REFERENCES = ("uniform", "joint", "fine_tuned")  # what every model of a run is compared with
-UNCOMPARED = "zero_shot"  # theta_0: below everything, compared with nothing
-SAME_AT_EVERY_N = ("zero_shot", "joint")  # one model for every run: no comparison across N
+REFERENCES = ("uniform", JOINT, FINE_TUNED)  # what every model of a run is compared with
+UNCOMPARED = ZERO_SHOT  # theta_0: below everything, compared with nothing
+SAME_AT_EVERY_N = (ZERO_SHOT, JOINT)  # one model for every run: no comparison across N
 
 TaskRecord = tuple[tuple[int, int], "np.ndarray | None"]  # (correct, total) and the per-image record
 RowKey = tuple[int, object, str]  # (N, seed, model)

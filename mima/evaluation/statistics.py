@@ -36,9 +36,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mima.core.names import Z95
+
 CONFIDENCE = 0.95
 ALPHA = 1 - CONFIDENCE  # the two-sided test level that matches the intervals
-Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 RESAMPLES = 2000  # bootstrap resamples per interval
 SEED = 0  # every bootstrap's numpy Generator seed
 PERCENTILES = (ALPHA / 2, 1 - ALPHA / 2)

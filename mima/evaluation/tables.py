@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from mima.core.names import FINE_TUNED
 from mima.evaluation.results import ModelResult, fine_tuned_by_run, relative_accuracy, seed_summaries, seeds_at
 
 Table = tuple[list[str], list[list[str]]]  # header, rows of cells
@@ -43,11 +44,11 @@ def summary_table(results: Sequence[ModelResult]) -> Table:
         rows.append(cells)
     cos_cells = ["mean cos(tau)"]
     for n in n_values:
-        if (n, "fine_tuned") in summaries:
-            cos = summaries[(n, "fine_tuned")].mean_cos_tau()
+        if (n, FINE_TUNED) in summaries:
+            cos = summaries[(n, FINE_TUNED)].mean_cos_tau()
             cos_cells.append(f"{cos[0]:.3f} ± {cos[1]:.3f}" if cos else "")
             continue
-        result = by_key.get((n, "fine_tuned"))
+        result = by_key.get((n, FINE_TUNED))
         cos_cells.append(f"{result.mean_cos_tau:.3f}" if result and result.mean_cos_tau is not None else "")
     return ["model"] + [f"N={n}" for n in n_values], rows + [cos_cells]
 

@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from mima.core.errors import MimaError
-from mima.core.run_folder import JOINT, RunFolder
+from mima.core.names import JOINT
+from mima.core.run_folder import RunFolder
 from mima.training.divergence import divergence_report, nonfinite_key
 
 

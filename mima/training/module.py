@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from mima.core.errors import MimaError
-from mima.core.run_folder import JOINT
+from mima.core.names import JOINT
 from mima.models.batchnorm import BATCHNORM_CLASSES, freeze_batchnorm_statistics
 from mima.models.classifier import classify
 from mima.core.cache_dir import cache_dir_or_default

@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from mima.config.options import check_value
 from mima.core.errors import MimaError
-from mima.core.settings import check_value
 from mima.merging import get_method
 
 UNIFORM = "uniform"

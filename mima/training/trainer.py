@@ -16,7 +16,8 @@ from mima.config.config_changes import ConfigChanges
 from mima.config.defaults import DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout
-from mima.core.run_folder import JOINT, RunFolder
+from mima.core.names import JOINT
+from mima.core.run_folder import RunFolder
 from mima.training.elastic import check_world_size
 from mima.training.preemption import StopAgreement
 from mima.training.resume import ResumeCut, RunStart

@@ -20,6 +20,7 @@ from mima.analysis.gradients.compute import (
 )
 from mima.analysis.gradients.options import DEFAULT_LR, NAME, GradientsOptions
 from mima.core.errors import MimaError
+from mima.core.names import ZERO_SHOT
 from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
 from mima.pools import task_pool
@@ -98,7 +99,7 @@ def _summary(results: Mapping) -> list[str]:
         cosines = " ".join(f"{v:.2f}" for v in row["cos_first"])
         acc = row["test_accuracy"]
         lines.append(f"  {task:<10} share [{shares}]  cos(g_k,g_1) [{cosines}]  "
-                     f"own test acc: 0-shot {100 * acc['zero_shot']:.1f}%, 1 epoch {100 * acc['one_epoch']:.1f}%, "
+                     f"own test acc: 0-shot {100 * acc[ZERO_SHOT]:.1f}%, 1 epoch {100 * acc['one_epoch']:.1f}%, "
                      f"converged {100 * acc['converged']:.1f}%")
     for name, label in (("one_epoch", "1-epoch"), ("converged", "converged")):
         merged = results["merged"][name]

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mima.analysis.gradients.options import DEFAULT_LR, NAME
 from mima.core.errors import MimaError
+from mima.core.names import ZERO_SHOT
 from mima.core.subsets import fixed_subset
 from mima.models.batchnorm import train_with_frozen_batchnorm
 from mima.models.classifier import classify
@@ -266,7 +267,7 @@ def analyse_gradients(pool, tasks: Sequence[str], theta_0: StateDict, settings: 
             "train_examples": len(train_set),
             "cos_tau_one_epoch_converged": task_vector_cosine(run.one_epoch, run.converged, theta_0),
             "test_accuracy": {
-                "zero_shot": own_accuracy(pool, task, theta_0),
+                ZERO_SHOT: own_accuracy(pool, task, theta_0),
                 "one_epoch": own_accuracy(pool, task, run.one_epoch),
                 "converged": own_accuracy(pool, task, run.converged),
             },

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mima.analysis.figures import plt, save_figure
+from mima.core.names import ZERO_SHOT
 
 def plot_gradients(results: Mapping, path: Path) -> None:
     """(a) share of the total gradient norm per epoch, (b) cos(g_k, g_1), (c) merged test accuracy."""
@@ -38,7 +39,7 @@ def plot_gradients(results: Mapping, path: Path) -> None:
         bars = axes[2].bar([g + offset for g in range(len(groups))], values, width=0.38,
                            label=f"{label} (lam={merged[name]['lam']:g})")
         axes[2].bar_label(bars, fmt="%.0f", fontsize=7)
-    zero_shot = [100 * per_task[t]["test_accuracy"]["zero_shot"] for t in tasks]
+    zero_shot = [100 * per_task[t]["test_accuracy"][ZERO_SHOT] for t in tasks]
     zero_shot.append(sum(zero_shot) / len(zero_shot))
     axes[2].scatter(range(len(groups)), zero_shot, marker="_", s=900, color="black", linewidths=2, zorder=3,
                     label="zero-shot (theta_0)")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mima.commands.evaluate.evaluation import Evaluation
+from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,11 @@ class Unit:
 def plan_units(evaluation: Evaluation) -> list[Unit]:
     """Every unit of the evaluation, in plan order (a run's units together)."""
     count = len(evaluation.tasks)
-    units = [Unit("zero_shot", 0, cost=count)]
+    units = [Unit(ZERO_SHOT, 0, cost=count)]
     if evaluation.joint is not None:
-        units.append(Unit("joint", 0, cost=count))
+        units.append(Unit(JOINT, 0, cost=count))
     for index, _ in enumerate(evaluation.runs):
-        units += [Unit("fine_tuned", index, cost=count), Unit("geometry", index, cost=1)]
+        units += [Unit(FINE_TUNED, index, cost=count), Unit("geometry", index, cost=1)]
         units += [Unit("merge", index, method.name, cost=count * (len(evaluation.grid(method)) + 1))
                   for method in evaluation.methods]
     return units

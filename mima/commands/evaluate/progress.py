@@ -20,7 +20,7 @@ from typing import TextIO
 
 from mima.commands.evaluate.dealing import Unit
 from mima.commands.evaluate.evaluation import Evaluation
-from mima.core.run_folder import JOINT
+from mima.core.names import JOINT
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore
 
 LINE_INTERVAL = 30.0  # seconds: at most one line this often within a unit (off a terminal)
@@ -152,7 +152,7 @@ def share_progress(evaluation: Evaluation, units: Sequence[Unit], store: CellSto
 def unit_cells(evaluation: Evaluation, unit: Unit) -> tuple[str, str]:
     """(run, model) of every cell the unit records, as mima.commands.evaluate.worker names them (one
     unit per run and model: no other unit records cells of that pair)."""
-    if unit.kind == "joint":
+    if unit.kind == JOINT:
         return evaluation.run_id(evaluation.joint), JOINT
     model = {"geometry": GEOMETRY, "merge": unit.method}.get(unit.kind, unit.kind)  # zero_shot, fine_tuned
     return evaluation.run_id(evaluation.runs[unit.run]), model

@@ -14,7 +14,8 @@ from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, recorded_best
 from mima.core.errors import MimaError
 from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
-from mima.core.run_folder import JOINT, RunFolder, SweepFolder
+from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
+from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
@@ -41,15 +42,15 @@ def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelR
     several_seeds = len({(int(c.model.iterations), c.seed) for c in evaluation.configs}) > \
         len({int(c.model.iterations) for c in evaluation.configs})
     zero_shot_run = evaluation.run_id(evaluation.runs[0])
-    zero_shot = accuracies(zero_shot_run, "zero_shot", NO_POINT)
+    zero_shot = accuracies(zero_shot_run, ZERO_SHOT, NO_POINT)
     joint_run = evaluation.run_id(evaluation.joint) if evaluation.joint else None
     joint = accuracies(joint_run, JOINT, NO_POINT) if joint_run else None
     results, pairwise = [], {}
     for run, config in zip(evaluation.runs, evaluation.configs):
         run_id, n, seed = evaluation.run_id(run), int(config.model.iterations), config.seed
         geometry = store.get(Cell(run_id, GEOMETRY, NO_POINT, "-", "-"))
-        own = [measured(ModelResult(n, "zero_shot", dict(zero_shot), seed=seed), zero_shot_run, NO_POINT),
-               measured(ModelResult(n, "fine_tuned", accuracies(run_id, "fine_tuned", NO_POINT),
+        own = [measured(ModelResult(n, ZERO_SHOT, dict(zero_shot), seed=seed), zero_shot_run, NO_POINT),
+               measured(ModelResult(n, FINE_TUNED, accuracies(run_id, FINE_TUNED, NO_POINT),
                                     mean_cos_tau=geometry["mean"], seed=seed), run_id, NO_POINT)]
         if joint is not None:  # one model for every run, like zero_shot; placed after fine_tuned
             own.append(measured(ModelResult(n, JOINT, dict(joint), seed=seed), joint_run, NO_POINT))
@@ -66,7 +67,7 @@ def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelR
             own.append(measured(ModelResult(n, method.name, accuracies(run_id, method.name, point),
                                             hparams=best.point, validation_accuracy=best.score, seed=seed), run_id, point))
         label = f"N={n}, seed {seed}" if several_seeds else f"N={n}"
-        summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in own if r.model != "zero_shot")
+        summary = ", ".join(f"{r.model} {100 * r.mean:.1f}%" for r in own if r.model != ZERO_SHOT)
         print(f"{label}: cos(tau) {geometry['mean']:.3f}; {summary}")
         results += own
         pairwise.setdefault(n, []).extend(geometry["pairs"])

@@ -12,7 +12,7 @@ from mima.commands.evaluate.dealing import Unit
 from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, grid_merges, merge_at, validation_score
 from mima.core.errors import MimaError
-from mima.core.run_folder import JOINT
+from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines
 from mima.evaluation.accuracy import EvalSettings
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore, ImageRecord, point_key
@@ -89,18 +89,18 @@ class Worker:
     def run(self, unit: Unit) -> None:
         evaluation = self.evaluation
         tasks = evaluation.tasks
-        if unit.kind == "joint":
+        if unit.kind == JOINT:
             joint = evaluation.joint
             self._evaluate(evaluation.run_id(joint), JOINT, NO_POINT, "test", tasks,
                            lambda: finite(joint.joint(), joint.final_file(JOINT)))
             return
         run = evaluation.runs[unit.run]
         run_id = evaluation.run_id(run)
-        if unit.kind == "zero_shot":
-            self._evaluate(run_id, "zero_shot", NO_POINT, "test", tasks, lambda: finite(run.pretrained(), run.pretrained_file))
-        elif unit.kind == "fine_tuned":
+        if unit.kind == ZERO_SHOT:
+            self._evaluate(run_id, ZERO_SHOT, NO_POINT, "test", tasks, lambda: finite(run.pretrained(), run.pretrained_file))
+        elif unit.kind == FINE_TUNED:
             for position, task in enumerate(tasks):
-                self._evaluate(run_id, "fine_tuned", NO_POINT, "test", [task], lambda p=position: self._models(unit.run)[1][p])
+                self._evaluate(run_id, FINE_TUNED, NO_POINT, "test", [task], lambda p=position: self._models(unit.run)[1][p])
         elif unit.kind == "geometry":
             cell = Cell(run_id, GEOMETRY, NO_POINT, "-", "-")
             if cell not in self.store:

@@ -37,7 +37,8 @@ from typing_extensions import override
 
 from mima.commands.common import suggest_option
 from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
-from mima.config.defaults import AUTO, CHECKPOINT_EVERY_DEFAULT, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
+from mima.config.defaults import AUTO, NUM_NODES_DEFAULT
+from mima.config.fit_options import TRAINER_DEFAULTS, fit_arguments
 from mima.config.run_config import config_error_text
 from mima.config.source import check_run_values, check_trainer_options
 from mima.core.environment import global_rank
@@ -64,63 +65,12 @@ from mima.training.sync_merge import SyncMerge
 from mima.training.trainer import (Launch, budget_summary, build_strategy, check_layout, configured_world_size,
                                    run_finished, same_layout)
 
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "accelerator": "auto",
-    "devices": DEVICES_DEFAULT,
-    "num_sanity_val_steps": 0,
-    "log_every_n_steps": 10,
-    # Lightning's table of the module's parameters and FLOPs (0 for MIMA's encoder): `mima plan`, printed
-    # at start, says what the run holds
-    "enable_model_summary": False,
-    "use_distributed_sampler": False,  # the PhaseBatchSampler decides every batch
-}
-
 
 class MimaCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument(
-            "--out", type=str | None, default=None,
-            help="run folder (default: runs/<time>); {config}, {iterations} and {seed} are replaced by the config "
-            "file's name, N and seed_everything, so a resubmitted job finds its run (slurm/launch.sh uses "
-            "$MIMA_RUNS/{config}-N{iterations}-seed{seed})",
-        )
-        parser.add_argument(
-            "--ckpt_path", type=str | None, default=None,
-            help="resume: 'last' (the run folder's newest consistent checkpoint; a fresh start if there is none)",
-        )
-        parser.add_argument("--overwrite", type=bool, default=False, help="replace the outputs of an earlier run")
-        parser.add_argument(
-            "--checkpoint_every", type=str | int, default=CHECKPOINT_EVERY_DEFAULT,
-            help="when each process saves its state: 'auto' (default: 30min on a GPU, segment on the CPU; `mima plan` "
-            "says which), 'segment' (every task segment end: at most K steps lost), "
-            "'phase' or 'K phases' (at every K-th sync: fewer files, up to K phases lost), a number n of process "
-            "steps (also at syncs; saves inside a segment hold the encoder and its moments), a time such as 90s, "
-            "30min or 2h (at the first sync after it has passed), or 0 (never); a stop request always saves",
-        )
-        parser.add_argument(
-            "--keep_checkpoints", type=bool, default=False,
-            help="keep RUN/checkpoints after the run has finished (default: removed; final/ holds the result)",
-        )
-        parser.add_argument(
-            "--threads_per_process", type=int | None, default=None,
-            help="CPU threads of each process (default: Lightning's share of the cores). Results on the CPU "
-            "depend on it, so fix it to compare runs with different numbers of processes",
-        )
-        parser.add_argument(
-            "--force", type=bool, default=False,
-            help="start even when the plan printed at start (`mima plan`) shows the run does not fit the device's memory",
-        )
-        parser.add_argument(
-            "--accept_data_change", type=bool, default=False,
-            help="resume although a task folder's listing changed since the run started (files added, removed or "
-            "renamed): the splits are then cut from the new listing, which can move images between train and test; "
-            "without it such a resume is refused",
-        )
-        parser.add_argument(
-            "--collective_timeout", type=int, default=COLLECTIVE_TIMEOUT_S,
-            help="seconds a collective may wait for other processes before the run fails (a dead process cannot hang it)",
-        )
+        for argument in fit_arguments():  # fit's own options, as mima.config.fit_options declares them
+            parser.add_argument(f"--{argument.name}", type=argument.kind, default=argument.default, help=argument.help)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | dict[str, Any] | Namespace | None) -> None:

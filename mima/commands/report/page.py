@@ -27,7 +27,8 @@ from pathlib import Path
 
 from mima.core.errors import MimaError
 from mima.core.files import atomic_folder, refuse_overwrite
-from mima.core.run_folder import JOINT, RunFolder, SweepFolder
+from mima.core.names import JOINT
+from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.results_files import read_results
 from mima.evaluation.results import seeds_at
 from mima.evaluation.tables import SIGNIFICANCE_NOTE, markdown_table, n_table, significance_table, summary_table
