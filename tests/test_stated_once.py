@@ -9,7 +9,8 @@ import typing
 from mima.config.defaults import CHECKPOINT_EVERY_ON_CPU, COLLECTIVE_TIMEOUT_S, DEVICES_DEFAULT, NUM_NODES_DEFAULT
 from mima.config.model import TrainingMode
 from mima.core.run_folder import JOINT
-from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
+from mima.training.checkpoint_callback import MimaCheckpoint
+from mima.training.save_schedule import SaveSchedule
 from mima.training.preemption import StopAgreement
 from mima.training.strategy import MimaStrategy
 from mima.commands.fit.cli import TRAINER_DEFAULTS

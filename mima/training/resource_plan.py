@@ -42,7 +42,8 @@ from mima.core.errors import MimaError
 from mima.core.layout import TaskLayout, allowed_world_sizes
 from mima.core.run_folder import JOINT
 from mima.models.footprint import ModelFootprint, safetensors_file_bytes
-from mima.training.checkpoint_callback import SaveSchedule, capture_rng
+from mima.training.rng_state import capture_rng
+from mima.training.save_schedule import SaveSchedule
 from mima.training.sync_merge import OUTER_DEFAULTS, OUTER_NESTEROV
 from mima.training.plan_choices import (
     COMPILED_STEP_OVERHEAD_S,
