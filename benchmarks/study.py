@@ -63,7 +63,7 @@ from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
 from mima.core.errors import MimaError  # noqa: E402
-from mima.core.files import read_json  # noqa: E402
+from mima.core.bounded_json import read_json  # noqa: E402
 from mima.core.run_folder import JOINT, SweepFolder  # noqa: E402
 
 COST_FILE = "cost.json"  # beside a run's config.yaml: the run is finished and measured
