@@ -222,7 +222,7 @@ def fit_run_config(config: Mapping, model_settings: Mapping, seed: int | None, r
 
 def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
     """`mima plan`'s bytes sent and received per process over the run's syncs at `world_size`."""
-    from mima.training.resource_plan import plan_for_config
+    from mima.training.plan_from_config import plan_for_config
 
     plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
     plan, _, _ = plan_for_config(load_run_config(plain), world_size=world_size)
