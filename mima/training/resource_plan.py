@@ -11,18 +11,19 @@ works out:
     phase average the next segments start from, and the activations of the configured batch (per
     process: batch / replicas) in the training precision, with gradient checkpointing as configured;
     under mixed precision the low-precision copies of the weights autocast keeps;
-  * host memory per process: the interpreter with the fit stack imported (measured in this
-    process), a runtime workspace, theta_0, the task segments' end weights kept until the sync, the
-    kept AdamW moments (optimizer_state: keep), the whole CLIP while the heads are built, and on the
-    CPU everything listed under device memory; per node: the processes of one node;
+  * host memory per process: the interpreter with the fit stack imported (measured by the caller), a
+    runtime workspace, theta_0, the task segments' end weights kept until the sync, the kept AdamW
+    moments (optimizer_state: keep), the whole CLIP while the heads are built, and on the CPU
+    everything listed under device memory; per node: the processes of one node;
   * the files of the run folder: bytes of each checkpoint file, bytes written over the run (every
     atomic write of the run-folder contract: pretrained.safetensors, config.yaml, checkpoints, final/,
     metrics.jsonl, logs) and the peak on disk (one generation of moments, mima.training.checkpoint_retention);
   * the sync volume: the end weights each process sends and receives at a sync (all-gather in task
     order, mima.training.averaging).
-  * the defaults it chooses (mima.training.plan_choices): gradient checkpointing, the checkpoint
-    schedule, a warning when the loader cannot feed the GPU, and the lead of SLURM's warning signal,
-    with the step and run time estimated from the traced FLOPs on a GPU.
+  * the step and run time estimated from the traced FLOPs on a GPU, a warning when the loader cannot
+    feed the GPU and the lead of SLURM's warning signal (mima.training.plan_choices; the defaults
+    chosen from the plan, gradient checkpointing and the checkpoint schedule, are settled by
+    mima.training.plan_from_config and shown with it).
 The file counts follow MimaCheckpoint's rules (mima.training.checkpoint_callback): a save at every
 task segment end but the process's last one, a segment's end weights written unless a sync follows it
 at once, the phase average and the moments of every phase but the last.
