@@ -63,7 +63,7 @@ from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
 from mima.core.errors import MimaError  # noqa: E402
-from mima.core.files import read_json  # noqa: E402
+from mima.core.bounded_json import read_json  # noqa: E402
 from mima.core.names import JOINT  # noqa: E402
 from mima.core.run_folder import SweepFolder  # noqa: E402
 
@@ -223,7 +223,7 @@ def fit_run_config(config: Mapping, model_settings: Mapping, seed: int | None, r
 
 def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
     """`mima plan`'s bytes sent and received per process over the run's syncs at `world_size`."""
-    from mima.training.resource_plan import plan_for_config
+    from mima.training.plan_from_config import plan_for_config
 
     plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
     plan, _, _ = plan_for_config(load_run_config(plain), world_size=world_size)

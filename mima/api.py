@@ -183,7 +183,7 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
 def load_results(folder: PathLike) -> list[dict[str, Any]]:
     """The rows of a results folder's results.json (`mima evaluate`, `mima demo`, a sweep), as plain
     dicts: `pandas.DataFrame(mima.load_results(folder))` is the table (docs/results.md names the fields)."""
-    from mima.core.files import read_json
+    from mima.core.bounded_json import read_json
     from mima.core.run_folder import SweepFolder
 
     sweep = SweepFolder(Path(folder))

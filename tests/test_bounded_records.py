@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mima.core.errors import MimaError
-from mima.core.files import read_json, read_json_lines
+from mima.core.bounded_json import read_json, read_json_lines
 from mima.core.run_lock import LOCK_READ_BYTES, RunLock
 from mima.evaluation.cells import read_checked_cells
 from mima.models.footprint import model_config

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mima.core.errors import MimaError
-from mima.training.checkpoint_callback import SaveSchedule
+from mima.training.save_schedule import SaveSchedule
 from tests.helpers import FOUR, STEPS, TWO, assert_identical, finals, run_job, write_config
 
 

@@ -16,7 +16,8 @@ from torch.utils.data import Subset
 
 from mima.cli import main
 from mima.data.datamodule import TaskSuiteDataModule
-from mima.data.image_folder import DEFAULT_TEMPLATES, TEST_FRACTION, FolderTask, as_folder_task, folder_task_spec
+from mima.data.image_datasets import TEST_FRACTION
+from mima.data.image_folder import DEFAULT_TEMPLATES, FolderTask, as_folder_task, folder_task_spec
 from mima.data.registry import DEFAULT_TASKS
 from mima.data.tasks import LoadOptions
 from mima.core.errors import MimaError

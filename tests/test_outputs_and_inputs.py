@@ -27,7 +27,8 @@ import torch
 
 from mima.cli import main
 from mima.core.errors import MimaError
-from mima.core.files import atomic_folder, atomic_path
+from mima.core.files import atomic_path
+from mima.core.publish import atomic_folder
 from mima.core.safetensors_io import save_state_dict
 from mima.core.tensor_files import SafetensorsReader
 

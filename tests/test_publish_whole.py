@@ -1,4 +1,4 @@
-"""A set of result files is replaced as a whole (issue 41, item 2; mima.core.files.publish_folder): a
+"""A set of result files is replaced as a whole (issue 41, item 2; mima.core.publish.publish_folder): a
 failure or a SIGKILL at any rename leaves the earlier set (put back at once, or by the next publish
 into the folder after a kill), never new files beside old ones."""
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from mima.core.files import publish_folder, roll_back_interrupted_publishes, stage_folder
+from mima.core.publish import publish_folder, roll_back_interrupted_publishes, stage_folder
 from tests.helpers import FailingReplace
 
 OLD = {"results.json": "old json", "results.md": "old md", "results.csv": "old csv", "plots/a.png": "old png"}

@@ -18,7 +18,8 @@ from mima.config.options import OPTIONS, options_table
 from mima.core.names import EVAL_BATCH_SIZE, JOINT, Z95
 from mima.evaluation.accuracy import EvalSettings, TaskEvaluator
 from mima.evaluation.statistics import wilson_interval
-from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
+from mima.training.checkpoint_callback import MimaCheckpoint
+from mima.training.save_schedule import SaveSchedule
 from mima.training.preemption import StopAgreement
 from mima.training.strategy import MimaStrategy
 from mima.commands.fit.cli import TRAINER_DEFAULTS

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mima.core.files import (publish_folder, refuse_overwrite, remove_folders, stage_folder, write_error,
-                             write_json_atomic)
+from mima.core.files import refuse_overwrite, write_error, write_json_atomic
+from mima.core.publish import publish_folder, remove_folders, stage_folder
 from mima.core.run_folder import RunFolder, SweepFolder
 
 

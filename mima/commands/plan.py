@@ -1,4 +1,4 @@
-"""`mima plan`: what a `mima fit` run will cost, before it starts (mima.training.resource_plan)."""
+"""`mima plan`: what a `mima fit` run will cost, before it starts (mima.training.plan_from_config)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def main(argv: Sequence[str]) -> None:
 
     import mima.commands.fit.run  # noqa: F401  (the fit stack: its import is part of a process's host memory)
     from mima.config.run_config import load_run_config
-    from mima.training.resource_plan import format_plan, plan_for_config
-    from mima.training.checkpoint_callback import SaveSchedule
+    from mima.training.plan_format import format_plan
+    from mima.training.plan_from_config import plan_for_config
+    from mima.training.save_schedule import SaveSchedule
 
     config = load_run_config(options.config)
     checkpoint_every = options.checkpoint_every if options.checkpoint_every is not None else config.other.get("checkpoint_every")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
-from mima.core.files import read_json
+from mima.core.bounded_json import read_json
 from mima.core.plan import check_budget
 from mima.core.names import JOINT
 from mima.core.run_folder import RunFolder, SweepFolder

@@ -19,7 +19,7 @@ import torch
 
 from mima.convert.pickle_reader import load_restricted, module_state_dict
 from mima.core.errors import MimaError
-from mima.core.files import read_json
+from mima.core.bounded_json import read_json
 from mima.core.safetensors_io import load_state_dict
 from mima.models.hf_clip import (
     HF_PROJECTION,

@@ -25,7 +25,8 @@ from torch import nn
 from mima.config.run_config import RunConfig, load_run_config
 from mima.core.cache_dir import cache_dir_or_default
 from mima.core.errors import MimaError
-from mima.core.files import atomic_folder, read_json
+from mima.core.bounded_json import read_json
+from mima.core.publish import atomic_folder
 from mima.models.clip import EMBEDDED_PREFIX, LOCAL_DIR_PREFIX, LoadedClip, effective_pretrained, load_clip
 
 # open_clip's names for the folder's files (open_clip.constants.HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME)
@@ -119,7 +120,7 @@ def write_open_clip_files(folder: Path, export: OpenClipExport, card: str) -> li
 
 
 def write_open_clip_folder(output: Path, export: OpenClipExport, card: str, overwrite: bool) -> list[Path]:
-    """The folder, appearing whole (written beside it, then moved in: mima.core.files.atomic_folder)."""
+    """The folder, appearing whole (written beside it, then moved in: mima.core.publish.atomic_folder)."""
     refuse_existing_folder(output, overwrite)
     with atomic_folder(output, OPEN_CLIP_FILES, overwrite=overwrite) as staging:
         write_open_clip_files(staging, export, card)

@@ -1,4 +1,4 @@
-"""Writing files so that nothing is lost: one atomic write, one refusal to overwrite.
+"""Writing a file so that nothing is lost: one atomic write, one refusal to overwrite.
 
 Every file mima writes goes through `atomic_path`: the bytes land in a temporary file beside the
 target, are flushed to disk, and are renamed onto the target only when the write succeeded. A crash
@@ -11,7 +11,8 @@ A write that must not replace an existing file (`overwrite=False`) checks again 
 step that puts the file in place (`place_noreplace`: a hard link, which fails if the name exists, or
 `renameat2(RENAME_NOREPLACE)` where the filesystem takes no hard links): of two commands writing the
 same new output, one wins and the other is refused, and neither file is ever replaced silently.
-`atomic_folder` does the same for a set of files written together (a report, an analysis).
+A set of files written together (a report, an analysis, a merge with its results) is published as
+a whole by mima.core.publish, over these; JSON records are read back by mima.core.bounded_json.
 
 A write the system refuses (a full disk, a file size limit, a read-only folder) is raised as an
 OSError naming the file the user asked for, not the temporary one (`write_error`), so the command's
@@ -29,7 +30,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from mima.core.errors import MimaError
@@ -168,167 +169,12 @@ def _rename_noreplace(source: Path, target: Path) -> None:
     os.rename(source, target)
 
 
-@contextlib.contextmanager
-def atomic_folder(folder: str | os.PathLike, names: Iterable[str] | None = None, overwrite: bool = False,
-                  lock: str | None = None) -> Iterator[Path]:
-    """Yield a temporary folder beside `folder`; the files written into it become `folder`'s files
-    only if the block succeeds, and all together at the end: a failed command leaves the earlier
-    outputs as they were, and no half-written set.
-
-    `names`: the files the command is known to write, refused before the work if they exist and
-    `overwrite` is off; every file is placed without replacing unless `overwrite` (then each replaces
-    its namesake atomically). Files already in `folder` that the block did not write stay. `lock`: the
-    command that takes `folder`'s lock (mima.core.run_lock) while the files are placed."""
-    target = Path(folder)
-    if names is not None and not overwrite:
-        refuse_overwrite([target / name for name in names], what=f"--out {target}")
-    staging, created = stage_folder(target)
-    try:
-        yield staging
-        publish_folder(staging, target, overwrite, lock)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_folders(created)
-        if isinstance(exc, Exception):
-            raise write_error(exc, target, staging) from None
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def stage_folder(target: Path) -> tuple[Path, list[Path]]:
-    """A new temporary folder beside `target` (on its filesystem), and the missing parents created for it."""
-    created = [path for path in target.parents if not path.exists() and not path.is_symlink()]
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
-    except OSError as exc:
-        remove_folders(created)
-        raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
-    return staging, created
-
-
-def remove_folders(created: list[Path]) -> None:
-    """Remove folders a failed command created, the deepest first, as long as they are empty."""
-    for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
-        try:
-            path.rmdir()
-        except OSError:
-            break
-
-
-def publish_folder(staging: Path, target: Path, overwrite: bool, lock: str | None = None) -> list[Path]:
-    """Move every file under `staging` to the same place under `target`, as a whole: all names checked
-    first, then each placed without replacing (or, with `overwrite`, replacing: the files it replaces
-    are moved aside into a journal first, see `replace_set`); if placing fails or is interrupted, what was
-    placed is taken back, so `target` holds the earlier set or the new one, never a mix. Returns the
-    placed files."""
-    from mima.core.run_lock import RunLock  # core, but only the commands that write folders need it
-
-    written = sorted(p for p in staging.rglob("*") if p.is_file() or p.is_symlink())
-    guard = RunLock(target, lock) if lock else contextlib.nullcontext()
-    with guard:
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise MimaError(f"{target}: cannot be written ({exc.strerror or exc})") from None
-        roll_back_interrupted_publishes(target)
-        if overwrite:
-            return replace_set(staging, target, [p.relative_to(staging) for p in written])
-        refuse_overwrite([target / p.relative_to(staging) for p in written], what=f"--out {target}")
-        placed: list[Path] = []
-        try:
-            for path in written:
-                destination = target / path.relative_to(staging)
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                place_noreplace(path, destination)
-                placed.append(destination)
-        except BaseException:  # another command came in between: take back what this one placed
-            for destination in placed:
-                destination.unlink(missing_ok=True)
-            raise
-    return placed
-
-
-PUBLISH_JOURNAL = ".publishing-"  # target/.publishing-<pid>/: a set being replaced (journal.json, old/)
-
-
-def replace_set(staging: Path, target: Path, names: list[Path]) -> list[Path]:
-    """Replace the files `names` of `target` by those of `staging`. A journal folder in `target` names the
-    staging folder and the set; each file replaced is first moved into the journal's old/. On any
-    failure or signal the old set is put back at once; after a SIGKILL, the next publish into `target`
-    (`roll_back_interrupted_publishes`) puts it back. The journal goes once the whole set is placed."""
-    journal = target / f"{PUBLISH_JOURNAL}{os.getpid()}"
-    try:
-        (journal / "old").mkdir(parents=True, exist_ok=True)
-        write_json_atomic(journal / "journal.json", {"staging": str(staging), "files": [str(name) for name in names]})
-    except BaseException as exc:  # nothing was moved yet
-        shutil.rmtree(journal, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, exc.strerror, str(target)) from None
-        raise
-    placed = []
-    name = names[0] if names else Path()
-    try:
-        for name in names:
-            destination = target / name
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            if destination.exists() or destination.is_symlink():
-                (journal / "old" / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(destination, journal / "old" / name)
-            os.replace(staging / name, destination)
-            placed.append(destination)
-    except OSError as exc:  # said of the user's file, not of the journal it was being moved into
-        roll_back(journal, target)
-        raise OSError(exc.errno, exc.strerror, str(target / name)) from None
-    except BaseException:
-        roll_back(journal, target)
-        raise
-    shutil.rmtree(journal, ignore_errors=True)
-    return placed
-
-
-def roll_back(journal: Path, target: Path) -> Path:
-    """Put back the set a journal was replacing: a file not yet taken from staging was never touched; one
-    taken is removed, and the file it replaced (kept in old/) returns."""
-    record = read_json(journal / "journal.json")
-    staging = Path(record["staging"])
-    for name in map(Path, record["files"]):
-        if (staging / name).exists():
-            if (journal / "old" / name).exists():  # moved aside, the new file not placed yet
-                os.replace(journal / "old" / name, target / name)
-            continue
-        backup = journal / "old" / name
-        if backup.exists() or backup.is_symlink():
-            os.replace(backup, target / name)
-        else:
-            (target / name).unlink(missing_ok=True)  # new in this set: there was no file before
-    shutil.rmtree(journal, ignore_errors=True)
-    return staging
-
-
-def roll_back_interrupted_publishes(target: Path) -> None:
-    """Journals in `target` left by a process that no longer runs (killed while replacing a set): the
-    earlier set put back, said in one line."""
-    for journal in sorted(target.glob(f"{PUBLISH_JOURNAL}*")):
-        pid = journal.name[len(PUBLISH_JOURNAL):]
-        if not pid.isdigit() or _process_exists(int(pid)):
-            continue
-        if (journal / "journal.json").is_file():
-            roll_back(journal, target)
-        else:  # killed while writing the journal: nothing was moved yet
-            shutil.rmtree(journal, ignore_errors=True)
-        for staging in target.parent.glob(f".{glob_escape(target.name)}.{pid}.*.tmp"):  # the killed command's
-            shutil.rmtree(staging, ignore_errors=True)
-        sys.stderr.write(f"mima: {target}: put back the files an interrupted earlier command was replacing\n")
-
-
 def remove_stale_temporaries(target: Path) -> list[Path]:
     """Remove the temporary files of writes to `target` whose process no longer exists."""
     removed = []
     for leftover in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
         pid = leftover.name[len(target.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _process_exists(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             if leftover.is_dir() and not leftover.is_symlink():  # a staged set (mima merge with its results)
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -342,7 +188,7 @@ def glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -374,65 +220,3 @@ def replace_symlink(target_name: str, link: Path) -> None:
         temporary.unlink()
     os.symlink(target_name, temporary)
     os.replace(temporary, link)
-
-
-MAX_JSON_BYTES = 256 * 2**20  # the largest JSON file mima reads (a large study's results.json: a few MB)
-
-
-def parse_json(text: str | bytes, name: str) -> object:
-    """json.loads, with every way it can fail on a damaged or hostile text as one line: "`name` is not
-    valid JSON (...)" (nesting too deep for the parser is a RecursionError, not a JSONDecodeError)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise MimaError(f"{name} is not valid JSON (nested too deeply for a record of mima's)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MimaError(f"{name} is not valid JSON ({exc})") from None
-
-
-def read_text_bounded(path: Path, kind: str = "JSON", limit: int = MAX_JSON_BYTES) -> str:
-    """A text file of at most `limit` bytes, one line naming it otherwise (or when it cannot be read)."""
-    try:
-        size = path.stat().st_size
-        if size > limit:
-            raise MimaError(f"{path}: {size} bytes, more than the {limit} a file of mima's records holds")
-        return path.read_text()
-    except OSError as exc:
-        raise MimaError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise MimaError(f"{path}: not {kind} (not a text file)") from None
-
-
-def read_json(path: str | os.PathLike, expect: type = dict) -> object:
-    """A JSON file that a mima command wrote (run folders, results), or one line naming the file if
-    it was damaged, edited into something else, too large or nested too deeply."""
-    path = Path(path)
-    try:
-        value = json.loads(read_text_bounded(path, "valid JSON"))
-    except RecursionError:
-        raise MimaError(f"{path}: not valid JSON (nested too deeply for a record of mima's)") from None
-    except json.JSONDecodeError as exc:
-        raise MimaError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(value, expect):
-        raise MimaError(f"{path}: expected a JSON {'object' if expect is dict else 'list'}, found {type(value).__name__}")
-    return value
-
-
-def read_json_lines(path: str | os.PathLike, check: Callable[[dict], str | None] | None = None) -> list[dict]:
-    """A JSON-lines file of objects (metrics.jsonl), one line naming the file and line if damaged;
-    `check` says why a record cannot be used (None: it can), named with its line the same way."""
-    path = Path(path)
-    text = read_text_bounded(path, "JSON lines")
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = parse_json(line, f"{path}: line {number}")
-        if not isinstance(record, dict):
-            raise MimaError(f"{path}: line {number} is not a JSON object")
-        why = check(record) if check is not None else None
-        if why is not None:
-            raise MimaError(f"{path}: line {number} {why}")
-        records.append(record)
-    return records
-

@@ -48,8 +48,9 @@ import torch
 
 from mima.core.bounded_yaml import read_bounded_yaml
 from mima.core.errors import MimaError
+from mima.core.bounded_json import read_json, read_json_lines
+from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.names import JOINT  # the joint baseline's one final model: final/joint.safetensors
-from mima.core.files import read_json, read_json_lines, refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.run_lock import LOCK_NAME
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 

@@ -25,7 +25,8 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from mima.core.errors import MimaError
-from mima.core.files import place_noreplace, remove_folders, stage_folder
+from mima.core.files import place_noreplace
+from mima.core.publish import remove_folders, stage_folder
 
 # What a damaged, truncated or mislabelled archive raises while it is read (never a write error:
 # gzip.BadGzipFile is the one OSError among them).

@@ -71,14 +71,8 @@ from torch.utils.data import Dataset
 
 from mima.data import clip_text as text
 from mima.data.benchmarks import BENCHMARKS
-from mima.data.image_folder import (
-    ImageFiles,
-    class_folders,
-    rgb_transform,
-    scan_split,
-    with_training_transform,
-    with_validation,
-)
+from mima.data.image_datasets import ImageFiles, rgb_transform, with_training_transform, with_validation
+from mima.data.image_scan import class_folders, scan_split
 from mima.data.tasks import LoadOptions, TaskData, TaskSpec
 from mima.core.errors import MimaError
 

@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from mima.core.errors import MimaError
-from mima.core.files import read_json, write_json_atomic
+from mima.core.bounded_json import read_json
+from mima.core.files import write_json_atomic
 from mima.evaluation.statistics import pack_record, unpack_record
 
 GEOMETRY = "pairwise_cos_tau"  # the model of the cell holding a run's task-vector cosines (split and task "-")

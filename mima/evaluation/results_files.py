@@ -31,7 +31,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mima.core.files import read_json, write_json_atomic, write_text_atomic
+from mima.core.bounded_json import read_json
+from mima.core.files import write_json_atomic, write_text_atomic
 from mima.core.names import FINE_TUNED
 from mima.core.run_folder import SweepFolder
 from mima.evaluation.results import (

@@ -38,7 +38,8 @@ from torch import nn
 
 from mima.core.cache_dir import cache_dir_or_default  # where the embedded model and zero-shot heads are cached
 from mima.core.errors import MimaError
-from mima.core.files import read_json, write_json_atomic
+from mima.core.bounded_json import read_json
+from mima.core.files import write_json_atomic
 
 EMBEDDED_PREFIX = "embedded:"
 LOCAL_DIR_PREFIX = "local-dir:"

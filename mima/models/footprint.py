@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mima.core.errors import MimaError
-from mima.core.files import read_json
+from mima.core.bounded_json import read_json
 from mima.models.clip import EMBEDDED_PREFIX, LOCAL_DIR_PREFIX
 
 TRACE_BATCHES = (2, 4)  # the traced forward passes' batch sizes (per example: the difference over theirs)

@@ -8,8 +8,8 @@ to them, by a background thread (mima.training.background_writer: FIFO, temporar
 rename), so training goes on while bytes reach the disk and a kill mid-write leaves every earlier
 file intact.
 
-When to save (`--checkpoint_every`, `SaveSchedule`; `mima fit`'s default "auto" is settled by the
-plan, mima.training.plan_choices: "30min" on a GPU, "segment" on the CPU): "segment" (every task
+When to save (`--checkpoint_every`, mima.training.save_schedule.SaveSchedule; `mima fit`'s default
+"auto" is settled by the plan, mima.training.plan_choices: "30min" on a GPU, "segment" on the CPU): "segment" (every task
 segment end, so a crash loses at most K steps), "phase" or "k phases" (at every k-th sync: fewer, smaller files,
 up to k phases of a process lost), a number n (every n process steps and at every sync; inside a
 segment a save holds the encoder and its moments: 1-3 encoder sizes per process), a time such as
@@ -22,8 +22,8 @@ saves nothing more, so the states on disk stay the last good ones (mima.training
 
 A state is built here from Lightning's public accessors (loop, optimiser, scheduler and callback
 states, in the layout `trainer.fit(ckpt_path=...)` restores), plus mima's own section: the run's
-identity, the random states and the PhaseState, which this callback serialises and restores but
-never changes (MimaSyncCallback does). Which states a resume starts from: mima.training.resume.
+identity, the random states (mima.training.rng_state) and the PhaseState, which this callback
+serialises and restores but never changes (MimaSyncCallback does). Which states a resume starts from: mima.training.resume.
 
 Nobody waits for the disk at a sync: files no resume can need any more are removed once the
 processes' newer states are known to be on disk (mima.training.checkpoint_retention: the committed
@@ -36,25 +36,20 @@ successful run the whole checkpoints folder is removed unless `--keep_checkpoint
 
 from __future__ import annotations
 
-import random
-import re
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from mima.config.defaults import CHECKPOINT_EVERY_ON_CPU
-from mima.core.errors import MimaError
 from mima.core.run_folder import JOINT, RunFolder
 from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_snapshot, flatten_moments, reference,
@@ -64,42 +59,11 @@ from mima.training.divergence import divergence_report, nonfinite_key
 from mima.training.phase_state import BufferName, PhaseState, StepWatch
 from mima.training.preemption import StopAgreement
 from mima.training.resume import RunStart
+from mima.training.rng_state import capture_rng, restore_rng
+from mima.training.save_schedule import SaveSchedule
 
 
 TIDY_EVERY_S = 0.5  # how often a process reads the shared record of durable states (store round trips)
-SCHEDULE_FORMS = ("'segment', 'phase', a number of steps, 'K phases' (K >= 1), a time such as 90s, 30min or 2h, "
-                  "or 0 (never)")
-SECONDS_PER_UNIT = {"s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0}
-
-
-@dataclass(frozen=True)
-class SaveSchedule:
-    """--checkpoint_every, read: when each process saves its state (see the module docstring)."""
-
-    kind: str  # "segment", "phases", "steps", "seconds" or "never"
-    amount: float = 0.0  # k phases, n steps or seconds
-
-    @staticmethod
-    def parse(value: str | int | None) -> SaveSchedule:
-        """The schedule a --checkpoint_every value names; anything else is one line naming the forms."""
-        text = CHECKPOINT_EVERY_ON_CPU if value is None else str(value).strip().lower()
-        if text == "segment":
-            return SaveSchedule("segment")
-        if text == "phase":
-            return SaveSchedule("phases", 1)
-        if text.isdigit():
-            return SaveSchedule("steps", int(text)) if int(text) else SaveSchedule("never")
-        phases = re.fullmatch(r"(\d+)\s*phases?", text)
-        if phases and int(phases.group(1)) >= 1:
-            return SaveSchedule("phases", int(phases.group(1)))
-        interval = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|sec|min|h)", text)
-        if interval and float(interval.group(1)) > 0:
-            return SaveSchedule("seconds", float(interval.group(1)) * SECONDS_PER_UNIT[interval.group(2)])
-        raise MimaError(f"--checkpoint_every must be {SCHEDULE_FORMS}, got {value!r}")
-
-    @property
-    def saves(self) -> bool:
-        return self.kind != "never"
 
 
 class MimaCheckpoint(Checkpoint):
@@ -460,26 +424,3 @@ def process_state(trainer, pl_module) -> dict:
         callback.on_save_checkpoint(trainer, pl_module, checkpoint)
     pl_module.on_save_checkpoint(checkpoint)
     return checkpoint
-
-
-def capture_rng() -> dict:
-    """Every random state a step could touch, as tensors and plain values (loadable with weights_only)."""
-    numpy_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from typing_extensions import override
 
-from mima.core.files import read_text_bounded
+from mima.core.bounded_json import read_text_bounded
 from mima.core.run_folder import RunFolder
 from mima.training.averaging import distributed_world
 from mima.training.phase_state import PhaseState

@@ -29,7 +29,9 @@ from mima.convert.open_clip_writer import (
     write_open_clip_folder,
 )
 from mima.core.errors import MimaError
-from mima.core.files import atomic_folder, read_json, refuse_input_as_output
+from mima.core.bounded_json import read_json
+from mima.core.files import refuse_input_as_output
+from mima.core.publish import atomic_folder
 from mima.core.safetensors_io import load_state_dict, read_metadata
 from mima.merging import get_method
 from mima.merging.catalogue import HYPERPARAMETERS

@@ -13,8 +13,9 @@ from pathlib import Path
 from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
 from mima.commands.evaluate.grid_search import full_point, recorded_best
 from mima.core.errors import MimaError
-from mima.core.files import publish_folder, remove_folders, stage_folder, write_error
+from mima.core.files import write_error
 from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
+from mima.core.publish import publish_folder, remove_folders, stage_folder
 from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key

@@ -48,18 +48,19 @@ from mima.core.run_lock import RunLock
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.listing import listing_changes
 from mima.training.background_writer import BackgroundWriter
-from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
+from mima.training.checkpoint_callback import MimaCheckpoint
 from mima.training.determinism import prepare_deterministic
 from mima.training.joint import JointFinalCallback
 from mima.training.module import MimaModule
 from mima.training.phase_state import PhaseState
 from mima.training.plan_choices import choose_checkpoint_every
+from mima.training.plan_probes import trains_on_gpu
 from mima.training.preemption import StopAgreement
 from mima.training.progress import MimaLogLines
 from mima.training.rank_logger import rank_loggers
 from mima.training.trackers import TrackerForwarding, TrackerRelay, build_trackers, tracker_entries
-from mima.training.resource_plan import trains_on_gpu
 from mima.training.resume import ResumeCut, RunStart, resolve_resume, run_identity
+from mima.training.save_schedule import SaveSchedule
 from mima.training.sync import MimaSyncCallback
 from mima.training.sync_merge import SyncMerge
 from mima.training.trainer import (Launch, budget_summary, build_strategy, check_layout, configured_world_size,
@@ -215,10 +216,11 @@ class MimaCLI(LightningCLI):
         return Launch(layout, identity, resume_states, notes, changes)
 
     def check_plan(self, world_size: int, trainer_config: Mapping[str, Any]) -> None:
-        """Print the run's plan (mima.training.resource_plan, as `mima plan`) and refuse, in one line, a
+        """Print the run's plan (mima.training.plan_from_config, as `mima plan`) and refuse, in one line, a
         run whose memory the plan shows the device cannot hold, unless --force."""
         from mima.config.run_config import parse_run_config
-        from mima.training.resource_plan import check_fits, format_plan, plan_for_config
+        from mima.training.plan_format import check_fits, format_plan
+        from mima.training.plan_from_config import plan_for_config
 
         raw = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
         nodes = int(str(trainer_config.get("num_nodes", NUM_NODES_DEFAULT)))
@@ -241,7 +243,7 @@ class MimaCLI(LightningCLI):
         if not trains_on_gpu(trainer_config):
             return False  # the plan's choice on the CPU, without tracing the model
         from mima.config.run_config import parse_run_config
-        from mima.training.resource_plan import plan_for_config
+        from mima.training.plan_from_config import plan_for_config
 
         raw = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
         configured_nodes = str(trainer_config.get("num_nodes", NUM_NODES_DEFAULT))

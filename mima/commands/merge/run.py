@@ -21,7 +21,7 @@ An input tensor holding NaN or Inf is refused, naming the file and the tensor, a
 tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
 strategies that decompose matrices still cannot, which is one line too). The output is never one of
 the inputs (under any name), a folder, or left half written; with results, the model and its results
-files are placed as one set (mima.core.files.publish_folder).
+files are placed as one set (mima.core.publish.publish_folder).
 
 `--format open-clip` writes a folder instead: the full CLIP (the run's text tower, the merged image
 tower) that open_clip.create_model_and_transforms("local-dir:DIR") loads, its model card, and the
@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING
 
 from mima.commands.merge.options import MergeOptions
 from mima.core.errors import MimaError
-from mima.core.files import (publish_folder, refuse_input_as_output, refuse_overwrite, remove_folders,
-                             remove_stale_temporaries, stage_folder, write_error, write_json_atomic, write_text_atomic)
+from mima.core.files import (refuse_input_as_output, refuse_overwrite, remove_stale_temporaries, write_error,
+                             write_json_atomic, write_text_atomic)
+from mima.core.publish import publish_folder, remove_folders, stage_folder
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
@@ -127,7 +128,7 @@ def run_merge(options: MergeOptions) -> None:
 def log_results_to_trackers(run_dir: Path, method: str, results_file: Path) -> None:
     """The merge's test accuracies as merge/<method>/<task> (and .../mean) to the run's tracker runs."""
     from mima.config.run_config import load_run_config
-    from mima.core.files import read_json
+    from mima.core.bounded_json import read_json
     from mima.training.trackers import log_to_run_trackers
 
     accuracy = read_json(results_file)["test_accuracy"]

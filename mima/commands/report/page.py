@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mima.core.errors import MimaError
-from mima.core.files import atomic_folder, refuse_overwrite
+from mima.core.files import refuse_overwrite
 from mima.core.names import JOINT
+from mima.core.publish import atomic_folder
 from mima.core.run_folder import RunFolder, SweepFolder
 from mima.evaluation.results_files import read_results
 from mima.evaluation.results import seeds_at
