@@ -65,7 +65,7 @@ def check_hyperparameter_flags(method: MergeMethod, given: Mapping[str, object])
 
 def run_merge(options: MergeOptions) -> None:
     if options.format == "open-clip":  # this merge, written with the run's text tower as a full open_clip CLIP folder
-        from mima.commands.convert.open_clip_export import merge_to_open_clip
+        from mima.convert.open_clip_export import merge_to_open_clip
 
         merge_to_open_clip(options, run_merge)
         return
