@@ -7,10 +7,12 @@
     rows = mima.load_results("results")                    # any results folder's rows (plain dicts)
     cost = mima.plan("configs/demo.yaml", devices=2)       # `mima plan --json`, as a dict
 
-Each function runs the command's own code (its parser, checks and runner in mima.commands), so a
-mistake raises mima.MimaError with the one line the command prints after `error:`, and what it
-writes is what the command writes. docs/api.md shows every function on the demo (tests/test_api.py
-runs the page). The API sits above the commands (tests/test_architecture.py); nothing below imports
+Each function runs what its command runs, through mima.services (the programs behind both fronts:
+the command parses its command line and calls the same service; `mima.merge` and `mima merge` run
+mima.services.merge), so a mistake raises mima.MimaError with the one line the command prints after
+`error:`, and what it writes is what the command writes. docs/api.md shows every function on the
+demo (tests/test_api.py runs the page). The API sits beside the commands, above the services, and
+imports nothing from mima/commands/ (tests/test_architecture.py); nothing in the package imports
 it, and `import mima` loads it only when one of these names is first used (mima/__init__.py).
 """
 
@@ -40,120 +42,39 @@ StateDict = Mapping[str, "torch.Tensor"]
 # ------------------------------------------------------------------------------------------ merge
 def merge(models: PathLike | Sequence[PathLike | StateDict], method: str, base: PathLike | StateDict | None = None,
           output: PathLike | None = None, *, config: PathLike | None = None, select_on: str | None = None,
-          overwrite: bool = False, allow_non_finite: bool = False, device: str = "auto",
+          overwrite: bool = False, allow_non_finite: bool = False, device: str = "auto", cache: str = "auto",
           **hyperparameters: object) -> dict[str, torch.Tensor] | Path:
     """`mima merge`: the merged state dict, or with `output` the file written (and returned).
 
     `models`: safetensors files, one `mima fit` run folder (its final task models, its theta_0 as the
     base, its config for data-dependent methods), or in-memory state dicts; `base` likewise a file
     or a state dict. The hyperparameters are the method's, by name (lam=0.3, k=20.0), checked as
-    `mima merge` checks its flags. With `output`, every model and the base must be files (the
-    command itself runs: the same checks, the same atomic file, and its results beside it when a
-    config judges the merge); without it nothing is written.
+    `mima merge` checks its flags; `cache`: --cache (auto, on, off) for the task pool a config
+    gives. With `output`, every model and the base must be files (the command's own merge runs: the
+    same checks, the same atomic file, and its results beside it when a config judges the merge);
+    without it nothing is written.
     """
-    from mima.commands.merge.run import check_hyperparameter_flags
-    from mima.merging import get_method
-    from mima.merging.catalogue import check_method_name
-    from mima.merging.engine import expand_models, merge_device, open_inputs
+    from mima.services.merge import check_request, merged_state, run_merge
+    from mima.services.merge_request import MergeRequest
 
-    check_method_name(method)
-    _check_names(hyperparameters)
-    device = _device_spelling(device)
-    if select_on not in (None, "val"):
-        raise MimaError(f"argument --select-on: invalid choice: {select_on!r} (choose from 'val') (see mima merge --help)")
     listed = [models] if isinstance(models, (str, os.PathLike)) else list(models)
-    in_memory = [item for item in [*listed, base] if isinstance(item, Mapping)]
-    if output is not None:
+    in_memory = any(isinstance(item, Mapping) for item in [*listed, base])
+    request = MergeRequest(method=method, models=() if in_memory else tuple(Path(item) for item in listed),
+                           output=None if output is None else Path(output),
+                           base=None if in_memory or base is None else Path(base),
+                           config=None if config is None else Path(config), select_on=select_on, overwrite=overwrite,
+                           allow_non_finite=allow_non_finite, device=device, cache=cache,
+                           hyperparameters=dict(hyperparameters))
+    if request.output is not None:
         if in_memory:
+            check_request(request)  # a misspelling is named first, as for every call
             raise MimaError("output: writing a merge of in-memory state dicts is not supported; pass files, "
                             "or save the returned state dict")
-        return _merge_files(listed, method, base, Path(output), config, select_on, overwrite, allow_non_finite, device,
-                            hyperparameters)
-    strategy = get_method(method)
-    check_hyperparameter_flags(strategy, hyperparameters)
-    target = merge_device(device, "--device")  # an absent GPU is refused before any input is read
+        run_merge(request)
+        return request.output
     if in_memory:
-        tensors = [_state_dict(item) for item in listed]
-        theta_0 = _state_dict(base) if base is not None else None
-        return _merged(strategy, target, tensors, theta_0, config, select_on, hyperparameters, allow_non_finite)
-    paths, run_tasks, run_base = expand_models([Path(item) for item in listed])
-    base_path = Path(base) if base is not None else run_base
-    with open_inputs(paths, base_path) as inputs:
-        # as `mima merge` reads them: through the checked views, so that a NaN or Inf is named by its file
-        checked = strategy.check(inputs.models, inputs.base, allow_non_finite, **hyperparameters)
-        config = config if config is not None else (listed[0] if run_tasks is not None else None)
-        tensors = [dict(view.items()) for view in checked.models]
-        theta_0 = dict(checked.base.items()) if checked.base is not None else None
-    return _merged(strategy, target, tensors, theta_0, config, select_on, hyperparameters, allow_non_finite)
-
-
-def _device_spelling(device: str) -> str:
-    """`device` checked as `mima merge --device` checks its spelling (whether the machine has it: later)."""
-    import argparse
-
-    from mima.commands.common import device_spelling
-
-    try:
-        return device_spelling(device)
-    except argparse.ArgumentTypeError as mistake:
-        raise MimaError(f"argument --device: {mistake} (see mima merge --help)") from None
-
-
-def _check_names(hyperparameters: Mapping[str, object]) -> None:
-    """A name that is no hyperparameter at all, refused as `mima merge` refuses its flag (with the
-    nearest known one); a known one the method does not take is check_hyperparameter_flags' line."""
-    from mima.commands.common import suggest_option
-    from mima.merging.catalogue import HYPERPARAMETERS
-
-    flags = [spec.flag for spec in HYPERPARAMETERS.values()]
-    for name in hyperparameters:
-        if name not in HYPERPARAMETERS:
-            flag = "--" + name.replace("_", "-")
-            suggestion = suggest_option(flag, flags)
-            hint = f"; did you mean {suggestion}?" if suggestion else ""
-            raise MimaError(f"unrecognized option {flag}{hint} (see mima merge --help)")
-
-
-def _merged(strategy, device, models: list[dict], base: dict | None, config: PathLike | None, select_on: str | None,
-            given: Mapping[str, object], allow_non_finite: bool) -> dict[str, torch.Tensor]:
-    """The state dict `mima merge` would write: the strategy on `device`, its hyperparameters chosen on
-    the validation splits with select_on="val" (a task pool from `config`)."""
-    from mima.commands.merge.run import choose
-    from mima.config.source import check_config_source
-
-    if (strategy.needs_data or select_on) and config is None:
-        raise MimaError(f"merge method '{strategy.name}' with these options needs --config (the tasks' model and data)")
-    pool = None
-    if config is not None:
-        from mima.pools import task_pool
-
-        check_config_source(Path(config))
-        pool = task_pool(Path(config))
-        if len(models) != len(pool.tasks):
-            raise MimaError(f"{len(models)} models given but the config has {len(pool.tasks)} tasks ({', '.join(pool.tasks)})")
-    return dict(choose(strategy.on(device), models, base, pool, given, select_on, allow_non_finite).merged)
-
-
-def _state_dict(item: PathLike | StateDict) -> dict:
-    from mima.core.safetensors_io import load_state_dict
-
-    return dict(item) if isinstance(item, Mapping) else load_state_dict(Path(item))
-
-
-def _merge_files(models: list, method: str, base, output: Path, config, select_on, overwrite: bool,
-                 allow_non_finite: bool, device: str, hyperparameters: Mapping[str, object]) -> Path:
-    from mima.commands.merge.options import MergeOptions
-    from mima.commands.merge.run import run_merge
-    from mima.config.source import check_config_source
-
-    options = MergeOptions(method=method, models=tuple(Path(model) for model in models), output=output,
-                           base=None if base is None else Path(base), config=None if config is None else Path(config),
-                           select_on=select_on, overwrite=overwrite, allow_non_finite=allow_non_finite,
-                           device=device, hyperparameters=dict(hyperparameters))
-    if options.config is not None:
-        check_config_source(options.config)
-    run_merge(options)
-    return output
+        return merged_state(request, listed, base)
+    return merged_state(request)
 
 
 # --------------------------------------------------------------------------------------- evaluate

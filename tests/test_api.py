@@ -21,7 +21,8 @@ import mima
 from mima.cli import main
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
-from tests.conftest import merge_argv
+from mima.merging import HYPERPARAMETERS, MERGE_METHODS
+from tests.conftest import fit_config, merge_argv
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
@@ -147,18 +148,61 @@ def test_the_pages_examples_run_and_equal_the_commands(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ without the page
-def test_merge_of_files_equals_the_commands_file(encoders, tmp_path):
-    assert command(*merge_argv("ties", encoders, tmp_path / "cli.safetensors", "--lam", "0.7"))[0] == 0
-    written = load_state_dict(tmp_path / "cli.safetensors")
-    from_files = mima.merge([encoders["m1"], encoders["m2"]], "ties", base=encoders["base"], lam=0.7)
-    in_memory = mima.merge([load_state_dict(encoders[m]) for m in ("m1", "m2")], "ties",
-                           base=load_state_dict(encoders["base"]), lam=0.7)
+# quick settings for the strategies that learn or gather statistics (their defaults take minutes here)
+QUICK = {"adamerging": {"steps": 3}, "adamerging_cart": {"steps": 3}, "fisher": {"examples": 4},
+         "fw_merging": {"examples": 4, "ada_steps": 3}, "regmean": {"examples": 4}, "regmean_plus_plus": {"examples": 4},
+         "wudi": {"steps": 5}}
+
+
+@pytest.fixture(scope="module")
+def tasks_config(tmp_path_factory, small_clip) -> Path:
+    """A `mima fit` config of the encoders' CLIP on two digits tasks: the data a data-dependent merge needs."""
+    folder = tmp_path_factory.mktemp("tasks-config")
+    (folder / "config.yaml").write_text(yaml.safe_dump(fit_config(folder / "run", small_clip, ["rot90", "mirror"], 4, 2)))
+    return folder / "config.yaml"
+
+
+@pytest.mark.parametrize("method", sorted(MERGE_METHODS))
+def test_every_strategy_writes_the_commands_bytes_and_returns_its_tensors(method, encoders, tasks_config, tmp_path):
+    """mima.merge(..., output=...) writes the bytes `mima merge` writes (the model, and with a config its
+    results), and mima.merge without an output returns the tensors of that file, from the files and from
+    state dicts in memory: one merge service below both."""
+    hyperparameters = QUICK.get(method, {})
+    config = tasks_config if MERGE_METHODS[method].needs_data else None
+    flags = [word for name, value in hyperparameters.items() for word in (HYPERPARAMETERS[name].flag, str(value))]
+    flags += ["--config", config] if config is not None else []
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "api").mkdir()
+    status, _, err = command(*merge_argv(method, encoders, tmp_path / "cli" / "m.safetensors", *flags))
+    assert status == 0, err
+    models = [encoders["m1"], encoders["m2"]]
+    given = dict(base=encoders["base"], config=config, **hyperparameters)
+    assert mima.merge(models, method, output=tmp_path / "api" / "m.safetensors", **given) == tmp_path / "api" / "m.safetensors"
+    written = sorted(path.name for path in (tmp_path / "cli").iterdir())
+    assert written == sorted(path.name for path in (tmp_path / "api").iterdir())
+    assert len(written) == (3 if config is not None else 1)  # with a config, its results beside it
+    for name in written:
+        assert (tmp_path / "api" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
+    merged_file = load_state_dict(tmp_path / "cli" / "m.safetensors")
+    from_files = mima.merge(models, method, **given)
+    in_memory = mima.merge([load_state_dict(path) for path in models], method,
+                           **{**given, "base": load_state_dict(encoders["base"])})
     for merged in (from_files, in_memory):
-        assert list(merged) == list(written) and all(torch.equal(merged[k], written[k]) for k in written)
-    # with output, the command's own file (metadata included)
-    path = mima.merge([encoders["m1"], encoders["m2"]], "ties", base=encoders["base"], output=tmp_path / "api.safetensors",
-                      lam=0.7)
-    assert path.read_bytes() == (tmp_path / "cli.safetensors").read_bytes()
+        assert merged.keys() == merged_file.keys()
+        assert all(torch.equal(merged[key], merged_file[key]) for key in merged_file)
+
+
+def test_the_cache_switch_reaches_the_task_pool(encoders, tasks_config, tmp_path):
+    """--cache on (cache="on") goes to the task pool that judges the merge: the digits tasks are tensors,
+    which the decoded-image cache cannot hold, refused by both fronts in one line (auto, off on the CPU,
+    is what every merge above ran with)."""
+    status, _, err = command(*merge_argv("ties", encoders, tmp_path / "m.safetensors", "--config", tasks_config,
+                                         "--cache", "on"))
+    assert status == 2 and "which the decoded-image cache cannot hold" in err
+    with pytest.raises(MimaError) as raised:
+        mima.merge([encoders["m1"], encoders["m2"]], "ties", base=encoders["base"], config=tasks_config, cache="on")
+    assert err.strip() == f"mima merge: error: {raised.value}"
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 @pytest.mark.parametrize("call, argv", [
@@ -167,7 +211,8 @@ def test_merge_of_files_equals_the_commands_file(encoders, tmp_path):
     (dict(method="uniform", lam=0.5), ["--method", "uniform", "--lam", "0.5"]),
     (dict(method="ties", k=-1.0), ["--method", "ties", "--k", "-1.0"]),
     (dict(method="task_arithmetic", base=None), ["--method", "task_arithmetic"]),
-], ids=["unknown-method", "unknown-hyperparameter", "not-the-methods", "bad-value", "no-base"])
+    (dict(method="ties", cache="yes"), ["--method", "ties", "--cache", "yes"]),
+], ids=["unknown-method", "unknown-hyperparameter", "not-the-methods", "bad-value", "no-base", "cache-spelling"])
 def test_a_mistake_is_the_commands_line(encoders, tmp_path, call, argv):
     call = {"base": encoders["base"], **call}
     models = [encoders["m1"], encoders["m2"]]

@@ -6,10 +6,12 @@
     core, models  <-  evaluation
     pools (model and task pools for data-dependent merges) sit above merging, training and evaluation
     convert (reading pickled modules without running them; transformers CLIP <-> open_clip) above models
-    analysis, then the commands (mima/commands/: one module or package per command, its options, parse and
+    analysis, then the services (mima/services/: the programs behind both fronts, what a command runs),
+    then the commands (mima/commands/: one module or package per command, its options, parse and
     main, and what it runs; the COMMANDS table), then the CLI (mima.cli, mima.__main__: parse and dispatch)
-    beside the CLI, the Python API (mima.api: the commands as functions), which nothing in the package imports
-    nothing imports the CLI, and only the CLI and the API import the commands
+    beside the CLI, the Python API (mima.api: the commands as functions, through the services), which nothing
+    in the package imports
+    nothing imports the CLI, and only the CLI imports the commands (the API runs the services)
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ ALLOWED: dict[str, set[str]] = {
     "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},
     "analysis": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools"},
     "convert": {"core", "data", "config", "models"},
-    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
+    "services": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
+    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
+                 "services"},
     "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
-            "commands"},
+            "commands", "services"},
     # mima.api: the commands as Python functions (mima/__init__.py loads it by name, on first use)
     "api": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
-            "commands"},
+            "services"},
     "package": set(),  # mima/__init__.py
 }
 # third-party packages a layer must not import (the core and the merge engine stay light)
@@ -147,7 +151,10 @@ def test_the_package_follows_its_import_rules():
          "mima.analysis.cosine.command (analysis) imports mima.commands (commands)"),
         ("mima.commands.merge", "    from mima.cli import main", "mima.commands.merge imports the CLI (mima.cli)"),
         ("mima.training.sync", "from mima.pools import TaskPool", "mima.training.sync (training) imports mima.pools (pools)"),
-        ("mima.commands.merge.run", "    from mima.api import merge", "mima.commands.merge.run (commands) imports mima.api (api)"),
+        ("mima.services.merge", "    from mima.api import merge", "mima.services.merge (services) imports mima.api (api)"),
+        ("mima.services.merge", "from mima.commands.common import device_spelling",
+         "mima.services.merge (services) imports mima.commands.common (commands)"),
+        ("mima.api", "    from mima.commands.merge import parse", "mima.api (api) imports mima.commands.merge (commands)"),
         ("mima.api", "from mima.cli import main", "mima.api imports the CLI (mima.cli)"),
     ],
 )
@@ -159,6 +166,10 @@ def test_an_added_forbidden_import_is_caught(module, added, expected):
     else:
         sources[module] = f"{added}\n" + sources[module]
     assert expected in violations(sources)
+
+
+# the spelling of `--cache` (`mima merge --help` lists it): no torch, nothing of the evaluation loop
+LIGHT_EVALUATION = ("mima.evaluation", "mima.evaluation.cache_use")
 
 
 def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
@@ -173,10 +184,11 @@ def test_merging_files_loads_neither_lightning_nor_open_clip(tmp_path):
         f"code = main(['merge', '--method', 'task_arithmetic', '--base', '{tmp_path}/base.safetensors', "
         f"'--models', '{tmp_path}/a.safetensors', '{tmp_path}/b.safetensors', '--output', '{tmp_path}/m.safetensors', '--lam', '0.5']); "
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in HEAVY "
-        "or m.startswith(('mima.pools', 'mima.data', 'mima.models', 'mima.training', 'mima.evaluation'))); "
+        "or m.startswith(('mima.pools', 'mima.data', 'mima.models', 'mima.training', 'mima.evaluation')) "
+        "and m not in LIGHT); "
         "merging = sorted(m for m in sys.modules if m.startswith('mima.merging')); "
         "print('LOADED', heavy); print('MERGING', ' '.join(merging)); sys.exit(code)"
-    ).replace("HEAVY", repr(("lightning", "pytorch_lightning", "open_clip", "torchvision", "torchmetrics", "timm", "matplotlib")))
+    ).replace("LIGHT", repr(LIGHT_EVALUATION)).replace("HEAVY", repr(("lightning", "pytorch_lightning", "open_clip", "torchvision", "torchmetrics", "timm", "matplotlib")))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stdout, result.stdout

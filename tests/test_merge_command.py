@@ -14,16 +14,16 @@ import torch
 from mima.cli import main
 from mima.core.errors import MimaError
 from mima.commands.merge import parse
-from mima.commands.merge.options import MergeOptions
-from mima.commands.merge.run import check_hyperparameter_flags, report_results
+from mima.services.merge import check_hyperparameter_flags, report_results
+from mima.services.merge_request import MergeRequest
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
 from mima.merging.selection import Selection
 
 
-def test_parse_gives_typed_options_with_the_hyperparameters_given():
+def test_parse_gives_the_request_with_the_hyperparameters_given():
     options = parse(["--method", "ties", "--models", "a", "b", "--output", "o", "--lam", "0.5", "--trim", "per-tensor",
                      "--overwrite"])
-    assert options == MergeOptions(method="ties", models=(Path("a"), Path("b")), output=Path("o"), overwrite=True,
+    assert options == MergeRequest(method="ties", models=(Path("a"), Path("b")), output=Path("o"), overwrite=True,
                                    hyperparameters={"lam": 0.5, "trim": "per-tensor"})
     with pytest.raises(MimaError, match="unknown merge method 'nope'"):
         parse(["--method", "nope", "--models", "a", "--output", "o"])

@@ -1,5 +1,6 @@
 """Merge strategies against independent computations (numpy, hand-worked examples, known identities)."""
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -278,6 +279,20 @@ def test_selection_over_cart_ratios_and_lambdas():
     chosen = select_on_validation(method, models, base, lambda m: -float((m[key] - target[key]).abs().sum()))
     assert (chosen.hparams["rank_ratio"], chosen.hparams["lam"]) == (0.16, pytest.approx(2.2))
     assert len(chosen.trials) == 4 * 11
+
+
+@pytest.mark.parametrize("name", sorted(name for name, method in MERGE_METHODS.items()
+                                         if method.grid and not isinstance(method, (PerTaskMerge, DataMerge))))
+def test_selection_scores_the_grid_in_its_one_walk(name):
+    """`--select-on val` scores the points in the order of MergeMethod.grid_points, the walk `mima
+    evaluate`'s grid search follows too, so that on a tie both keep the same (first) point."""
+    method = get_method(name)
+    base, models = _models(2, seed=8)
+    walked = [{**setting, **({} if lam is None else {"lam": lam})} for setting, lam in method.grid_points()]
+    assert len(walked) == math.prod(len(values) for values in method.grid.values())
+    assert [point for point, _ in method.grid_merges(models, base)] == walked
+    tie = select_on_validation(method, models, base, lambda merged: 0.0)  # every point scores alike
+    assert {key: tie.hparams[key] for key in walked[0]} == walked[0]
 
 
 def test_defaults_without_validation_are_the_papers():

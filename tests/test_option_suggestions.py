@@ -8,7 +8,7 @@ import pytest
 
 from mima.analysis import ANALYSES
 from mima.cli import parse
-from mima.commands.common import suggest_option
+from mima.core.spelling import suggest_option
 from mima.core.errors import MimaError
 from tests.helpers import assert_one_line, cli
 

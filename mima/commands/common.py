@@ -8,11 +8,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import errno
 import itertools
 import os
-import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Protocol, TypeVar
 
 from mima.config.source import check_config_source
 from mima.core.errors import MimaError
+from mima.core.spelling import check_device_spelling, suggest_option  # suggest_option: the parser's (and fit's)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -100,22 +99,6 @@ class OneLineParser(argparse.ArgumentParser):
             return set()
         starting = {option for option in self.long_options if option.startswith(name)}
         return starting if len(starting) == 1 else set()
-
-
-SUGGESTION_CUTOFF = 0.6  # difflib's similarity ratio: --methd and --method are 0.91, --foo and --out 0.33
-
-
-def suggest_option(word: str, known: Iterable[str]) -> str | None:
-    """The known option nearest to WORD, a mistyped option ("--methd", or "--methd=ties": the part
-    before "="), or None when none is close; compared without their leading dashes, which every
-    option shares. Of the close ones, the one sharing the longest start with WORD (a shortened name,
-    --model.iters, means --model.iterations, not the as similar --model.steps), then the most similar."""
-    name = word.split("=", 1)[0].lstrip("-")
-    candidates = {option.lstrip("-"): option for option in known}
-    close = difflib.get_close_matches(name, list(candidates), n=max(len(candidates), 1), cutoff=SUGGESTION_CUTOFF)
-    if not close:
-        return None
-    return candidates[max(close, key=lambda option: len(os.path.commonprefix([name, option])))]  # max: the first of ties
 
 
 Options = TypeVar("Options")
@@ -234,8 +217,8 @@ COMPARED_MERGES = ("uniform", "task_arithmetic", "ties", "cart")
 
 
 def device_spelling(text: str) -> str:
-    """A device as the merge commands spell it (checked without torch; whether this machine has it is
-    checked when the command runs, mima.merging.engine.merge_device)."""
-    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text.strip().lower()) is None:
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    return text
+    """A device as the merge commands spell it, for argparse's `type=` (mima.core.spelling checks it)."""
+    try:
+        return check_device_spelling(text)
+    except ValueError as mistake:
+        raise argparse.ArgumentTypeError(str(mistake)) from None

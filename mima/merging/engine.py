@@ -30,6 +30,7 @@ import torch
 from mima.core.errors import MimaError
 from mima.core.file_identity import first_duplicate
 from mima.core.run_folder import RunFolder
+from mima.core.spelling import DEVICE_SPELLINGS
 from mima.core.state_dicts import check_compatible
 from mima.core.threads import intra_op_threads
 from mima.core.tensor_files import GroupPrefetcher, SafetensorsReader, SafetensorsWriter, TensorInfo
@@ -182,9 +183,6 @@ def check_finite_output(method: str, key: str, tensor: torch.Tensor) -> torch.Te
     if not all_finite(tensor):
         raise MimaError(f"{method}: the merged tensor '{key}' overflows to Inf or NaN; check the hyperparameters (e.g. --lam)")
     return tensor
-
-
-DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"
 
 
 def merge_device(spelling: str, option: str = "--device") -> torch.device:

@@ -18,7 +18,10 @@ is one of four kinds, each a subclass of MergeMethod holding the functions of it
                               masks) that keep one shared model plus a small per-task part
 
 The first two are DataFreeMerge: they stream (`stream`, and the file engine). Every kind has `merge`
-(per-task: the index; data: needs the pool) and `grid_merges` (what selection scores).
+(per-task: the index; data: needs the pool), `grid_points` (the validation grid in selection order:
+the one walk of it, which `mima merge --select-on val` and `mima evaluate`'s grid search both follow,
+so that both break ties alike) and `grid_merges` (the merge at each of those points, what selection
+scores).
 
 Every entry point (MergeMethod.stream, merge, sweep, and `mima merge` through the engine) first runs
 the method's `check`: theta_0 when needed, enough task models, `min_tasks` and `matrix_keys` that fit
@@ -81,6 +84,7 @@ TensorMap = Mapping[str, torch.Tensor]
 StateDict = dict[str, torch.Tensor]
 Item = tuple[str, torch.Tensor]
 ScaledItem = tuple[str, torch.Tensor, "torch.Tensor | None"]
+GridPoint = tuple[dict[str, object], "float | None"]  # (structural setting, lam or None): one point of a grid
 
 
 @dataclass
@@ -274,14 +278,21 @@ class MergeMethod(abc.ABC):
         """The merged model as a state dict (for per-task methods: their index); see `merge` for the notes."""
         return self.merge(models, base, pool, allow_non_finite, device, **given).state
 
+    def grid_points(self) -> list[GridPoint]:
+        """The validation grid in selection order, the one walk of it: every combination of the grid's
+        values, the last hyperparameter varying fastest, each value in its declared order (so the first
+        best point, BestPoint's pick, is the same wherever the grid is searched); none without a grid."""
+        if not self.grid:
+            return []
+        return [(dict(zip(self.grid, values)), None) for values in itertools.product(*self.grid.values())]
+
     def grid_merges(self, models: Sequence[TensorMap], base: TensorMap | None, pool=None,
                     allow_non_finite: bool = False) -> Iterator[tuple[dict[str, object], MergeOutput]]:
-        """(point, merge at that point) for every point of the grid, in grid order (the other
+        """(point, merge at that point) for every point of `grid_points`, in its order (the other
         hyperparameters at their defaults): what selection scores. A ScaledMerge shares the work of
         the points that differ only in lam."""
-        for values in itertools.product(*self.grid.values()):
-            point = dict(zip(self.grid, values))
-            yield point, self.merge(models, base, pool, allow_non_finite, **point)
+        for setting, _ in self.grid_points():
+            yield setting, self.merge(models, base, pool, allow_non_finite, **setting)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,13 +380,30 @@ class ScaledMerge(DataFreeMerge):
                     direction[key] = direction_tensor.to("cpu")
             yield dict(zip(settings, values)), anchor, direction
 
+    def grid_points(self) -> list[GridPoint]:
+        """The walk of MergeMethod.grid_points with lam apart: every lam of one structural setting (one
+        direction, `sweep`) before the next setting; the default lam where the grid lists none."""
+        if not self.grid:
+            return []
+        structural = {name: values for name, values in self.grid.items() if name != "lam"}
+        lams = self.grid.get("lam", (self.defaults["lam"],))
+        settings = [dict(zip(structural, values)) for values in itertools.product(*structural.values())]
+        return [(setting, lam) for setting in settings for lam in lams]
+
     def grid_merges(self, models: Sequence[TensorMap], base: TensorMap | None, pool=None,
                     allow_non_finite: bool = False) -> Iterator[tuple[dict[str, object], MergeOutput]]:
-        grid = self.grid
-        structural = {name: values for name, values in grid.items() if name != "lam"}
-        lams = grid.get("lam", (self.defaults["lam"],))
+        walk = self.grid_points()
+        if not walk:
+            return
+        lams: dict[tuple, list] = {}  # each structural setting's lams, in the walk's order
+        for setting, lam in walk:
+            lams.setdefault(tuple(setting.items()), []).append(lam)
+        structural = {name: tuple(dict.fromkeys(setting[name] for setting, _ in walk)) for name in walk[0][0]}
+        settings = iter(lams)
         for setting, anchor, direction in self.sweep(models, base, structural, allow_non_finite):
-            for lam in lams:
+            if tuple(setting.items()) != next(settings):  # the sweep must keep the walk's order (ties)
+                raise RuntimeError(f"{self.name}: the sweep gave {setting} out of the grid's order")
+            for lam in lams[tuple(setting.items())]:
                 yield {**setting, "lam": lam}, MergeOutput(combine(anchor, direction, lam))
 
 

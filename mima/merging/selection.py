@@ -4,23 +4,40 @@ For each grid point the merged model is scored by its mean validation accuracy o
 the best is kept (the first one on ties, so smaller values win ties). Strategies of the form
 anchor + lam * direction compute one direction per structural setting (e.g. per CART rank ratio,
 all from one SVD per matrix) and sweep lam on it. A Selection carries the notes of the chosen merge
-(what a data-dependent strategy learnt; empty for the others).
+(what a data-dependent strategy learnt; empty for the others). `choose` is the one entry point of
+`mima merge` and mima.merge (through mima.services.merge): the given hyperparameters, or the grid
+searched on the validation splits (per-task methods: each task's value on its own split).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from mima.core.errors import MimaError
 from mima.merging.pool import Pool
-from mima.merging.registry import MergeMethod
+from mima.merging.registry import MergeMethod, PerTaskMerge
 
 TensorMap = Mapping[str, torch.Tensor]
 Score = Callable[[dict[str, torch.Tensor]], float]
 Point = TypeVar("Point")
+
+
+class Evaluator(Protocol):
+    """What selection asks of a split's evaluator (mima.evaluation.accuracy.TaskEvaluator)."""
+
+    def accuracy(self, state: TensorMap, tasks: Sequence[str] | None = None) -> dict[str, float]: ...
+
+    def mean_accuracy(self, state: TensorMap) -> float: ...
+
+
+class JudgingPool(Pool, Protocol):
+    """A task pool that can also judge a merge on a split (mima.pools.TaskPool)."""
+
+    def evaluator(self, split: str) -> Evaluator: ...
 
 
 class BestPoint(Generic[Point]):
@@ -77,3 +94,41 @@ def select_on_validation(
     chosen = best.point
     chosen.trials = trials
     return chosen
+
+
+def choose(method: MergeMethod, models: Sequence[TensorMap], base: TensorMap | None, pool: JudgingPool | None,
+           given: Mapping[str, object], select_on: str | None, allow_non_finite: bool = False) -> Selection:
+    """The merge `mima merge` writes: with the `given` hyperparameters (the others at their defaults),
+    or with select_on="val" the grid point that scores best on the pool's validation splits."""
+    if select_on is None:
+        output = method.merge(models, base, pool, allow_non_finite, **given)
+        return Selection(method.name, method.hyperparameters(given), None, [], output.state, output.notes)
+    validation = pool.evaluator("val")
+    if isinstance(method, PerTaskMerge):
+        return select_per_task(method, models, base, pool, allow_non_finite)
+    if given:
+        raise MimaError("--select-on val chooses the hyperparameters itself; leave them out or drop --select-on")
+    return select_on_validation(method, models, base, validation.mean_accuracy, pool=pool, allow_non_finite=allow_non_finite)
+
+
+def select_per_task(method: PerTaskMerge, models: Sequence[TensorMap], base: TensorMap | None, pool: JudgingPool,
+                    allow_non_finite: bool = False) -> Selection:
+    """Per-task methods pick their grid value for each task on that task's own validation split (the
+    best score, the first value on ties: BestPoint)."""
+    if not method.grid:
+        return merge_with_defaults(method, models, base, allow_non_finite=allow_non_finite)
+    (name, values), = method.grid.items()
+    validation = pool.evaluator("val")
+    scores: dict[float, list[float]] = {}
+    for value in values:
+        index = method(models, base, allow_non_finite=allow_non_finite, **{name: value})
+        scores[value] = [validation.accuracy(method.reconstruct(index, t), [task])[task] for t, task in enumerate(pool.tasks)]
+    best = []
+    for t in range(len(pool.tasks)):
+        task_best: BestPoint[object] = BestPoint()
+        for value in values:
+            task_best.offer(scores[value][t], value)
+        best.append(task_best.point)
+    trials = [{name: value, "task": task, "score": scores[value][t]} for value in values for t, task in enumerate(pool.tasks)]
+    chosen = method.hyperparameters({name: best})
+    return Selection(method.name, chosen, None, trials, method(models, base, allow_non_finite=allow_non_finite, **{name: best}))

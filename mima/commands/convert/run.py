@@ -28,7 +28,7 @@ from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite
 from mima.core.safetensors_io import save_state_dict
-from mima.commands.convert.open_clip_export import convert_to_open_clip
+from mima.convert.open_clip_export import convert_to_open_clip
 
 
 def _output_of(options: ConvertOptions) -> Path:

@@ -1,6 +1,7 @@
 """Each merge's hyperparameters, chosen on the validation splits: its grid, the merged weights of each
 grid point, and the best point (mima.merging.selection.BestPoint: the first best on ties, the rule
-`mima merge --select-on val` uses too).
+`mima merge --select-on val` uses too). The grid is walked in the registry's one order
+(MergeMethod.grid_points), as `mima merge --select-on val` walks it, so both break ties alike.
 
 A point is scored by the mean validation accuracy over the tasks, from its recorded cells
 (mima.evaluation.cells); the chosen point's test accuracy is the merge's result.
@@ -8,32 +9,24 @@ A point is scored by the mean validation accuracy over the tasks, from its recor
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from mima.core.errors import MimaError
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, point_key
-from mima.merging.registry import MergeMethod, ScaledMerge, combine
+from mima.merging.registry import GridPoint, MergeMethod, ScaledMerge, combine
 from mima.merging.selection import BestPoint
 
-GridPoint = tuple[dict, float | None]  # (structural setting, lam or None)
 Models = Callable[[], tuple[dict, list]]  # (theta_0, task models), loaded when first called
 Weights = Callable[[], dict]  # a merged state dict, computed when first called
 CurrentPool = Callable[[], object]  # the worker's task pool (or None) when a merge runs
 
 
 def grid_points(method: MergeMethod) -> list[GridPoint]:
-    """The method's validation grid in selection order: (structural setting, lam or None)."""
-    if not method.grid:
-        return []
-    if isinstance(method, ScaledMerge):
-        structural = {name: values for name, values in method.grid.items() if name != "lam"}
-        settings = [dict(zip(structural, values)) for values in itertools.product(*structural.values())]
-        lams = method.grid.get("lam", (method.defaults["lam"],))
-        return [(setting, lam) for setting in settings for lam in lams]
-    return [(dict(zip(method.grid, values)), None) for values in itertools.product(*method.grid.values())]
+    """The method's validation grid in selection order, (structural setting, lam or None): the
+    registry's walk (MergeMethod.grid_points)."""
+    return method.grid_points()
 
 
 def full_point(method: MergeMethod, setting: Mapping, lam: float | None) -> dict:

@@ -1,45 +1,27 @@
 """`mima merge`'s options: declared here, importing nothing heavy, so that `mima merge --help` and
-argument errors answer before torch is loaded; `parse` (mima.commands.merge) reads them into
-MergeOptions, which mima.commands.merge.run runs."""
+argument errors answer before torch is loaded; `parse` (mima.commands.merge) reads them into a
+MergeRequest, which the merge service (mima.services.merge) runs."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mima.commands.common import device_spelling
+from mima.evaluation.cache_use import CACHE_MODES
 from mima.merging.catalogue import HYPERPARAMETERS, STRATEGIES, Hyperparameter
+from mima.services.merge_request import SELECT_ON, MergeRequest
 
 
-@dataclass(frozen=True)
-class MergeOptions:
-    """A parsed `mima merge` command line."""
-
-    method: str  # a declared strategy's name (checked by parse)
-    models: tuple[Path, ...]  # safetensors state dicts, or one `mima fit` run folder
-    output: Path
-    base: Path | None = None
-    config: Path | None = None  # a mima fit config or run folder: the tasks' model and data
-    select_on: str | None = None  # "val": choose the hyperparameters on the validation splits
-    overwrite: bool = False
-    allow_non_finite: bool = False
-    device: str = "auto"  # as --device spells it (auto, cpu, cuda, cuda:N)
-    format: str = "safetensors"  # --format: "safetensors" (the image encoder) or "open-clip" (a full CLIP folder)
-    log_to_tracker: bool = False  # the results also go to the tracker runs of the run folder's fit
-    # the hyperparameter flags given, {name: value} as the strategy takes them (unchecked against the method)
-    hyperparameters: dict[str, object] = field(default_factory=dict)
-
-    @classmethod
-    def from_namespace(cls, namespace: argparse.Namespace) -> MergeOptions:
-        """The options of a Namespace that add_merge_arguments' parser gave; the one place it is read."""
-        given = {name: spec.from_command_line(getattr(namespace, name)) for name, spec in HYPERPARAMETERS.items()
-                 if getattr(namespace, name) is not None}
-        return cls(method=namespace.method, models=tuple(namespace.models), output=namespace.output, base=namespace.base,
-                   config=namespace.config, select_on=namespace.select_on, overwrite=namespace.overwrite,
-                   allow_non_finite=namespace.allow_non_finite, device=namespace.device, format=namespace.format,
-                   log_to_tracker=namespace.log_to_tracker, hyperparameters=given)
-
+def merge_request(namespace: argparse.Namespace) -> MergeRequest:
+    """The request of a Namespace that add_merge_arguments' parser gave; the one place it is read."""
+    given = {name: spec.from_command_line(getattr(namespace, name)) for name, spec in HYPERPARAMETERS.items()
+             if getattr(namespace, name) is not None}
+    return MergeRequest(method=namespace.method, models=tuple(namespace.models), output=namespace.output,
+                        base=namespace.base, config=namespace.config, select_on=namespace.select_on,
+                        overwrite=namespace.overwrite, allow_non_finite=namespace.allow_non_finite,
+                        device=namespace.device, format=namespace.format, log_to_tracker=namespace.log_to_tracker,
+                        cache=namespace.cache, hyperparameters=given)
 
 
 def _flag_help(spec: Hyperparameter) -> str:
@@ -61,7 +43,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                         "open_clip.create_model_and_transforms('local-dir:DIR') loads, a model card, and the merged "
                         "encoder with its results (needs --config or a run folder)")
     parser.add_argument("--config", type=Path, help="a mima fit config or run folder: the tasks' model and data")
-    parser.add_argument("--select-on", choices=("val",), help="choose hyperparameters on the validation splits")
+    parser.add_argument("--select-on", choices=SELECT_ON, help="choose hyperparameters on the validation splits")
     parser.add_argument("--overwrite", action="store_true", help="replace --output (and its results) if they exist")
     parser.add_argument("--allow-non-finite", action="store_true",
                         help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
@@ -72,6 +54,11 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_spelling, default="auto", metavar="auto|cpu|cuda|cuda:N",
                         help="where the merge's arithmetic runs, one tensor group at a time (default auto: the first GPU "
                         "when torch sees one, else the CPU); --device cpu gives the CPU's file bit for bit")
+    parser.add_argument("--cache", choices=CACHE_MODES, default=CACHE_MODES[0],
+                        help="whether the task pool that judges the merge (--select-on val, data-dependent methods, the "
+                        "results table) reads its validation and test splits from the decoded-image cache, as `mima "
+                        "evaluate --cache` (auto, the default: off, the pool evaluating on the CPU; on: the cache, "
+                        "refusing tasks it cannot hold, e.g. the digits suite; off: item by item, as before)")
     hyper = parser.add_argument_group("hyperparameters (one flag per declaration in mima.merging.catalogue; "
                                       "each method takes some, see its docstring)")
     for spec in HYPERPARAMETERS.values():
