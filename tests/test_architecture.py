@@ -40,12 +40,14 @@ ALLOWED: dict[str, set[str]] = {
     "pools": {"core", "data", "config", "models", "training", "merging", "evaluation"},
     "analysis": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools"},
     "convert": {"core", "data", "config", "models"},
-    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
+    "services": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert"},
+    "commands": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
+                 "services"},
     "cli": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
-            "commands"},
+            "services", "commands"},
     # mima.api: the commands as Python functions (mima/__init__.py loads it by name, on first use)
     "api": {"core", "data", "config", "models", "training", "merging", "evaluation", "pools", "analysis", "convert",
-            "commands"},
+            "services"},
     "package": set(),  # mima/__init__.py
 }
 # third-party packages a layer must not import (the core and the merge engine stay light)
