@@ -5,7 +5,7 @@ also get rows with the mean and standard deviation over the seeds. Every result 
 --out/cells/ as soon as it is known: after a stop (SIGTERM, SIGUSR1, a crash) the same command goes
 on where it stopped.
 """
-# `mima evaluate`: merge and evaluate finished runs, the Table-1 results (mima.commands.evaluate.runs runs it).
+# `mima evaluate`: merge and evaluate finished runs, the Table-1 results (mima.services.evaluate.runs runs it).
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class EvaluateOptions:
 
     def __post_init__(self) -> None:
         """The checks argparse cannot make, each made here once (what needs torch, e.g. whether this
-        machine has --devices GPUs, mima.commands.evaluate.team checks)."""
+        machine has --devices GPUs, mima.services.evaluate.team checks)."""
         if self.devices is not None and self.devices < 1:
             raise MimaError(f"--devices {self.devices}: expected at least 1")
         if self.val_examples is not None and self.val_examples <= 0:
@@ -91,8 +91,8 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
 
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
-    from mima.commands.evaluate.runs import evaluate_runs
-    from mima.commands.evaluate.team import team_for
+    from mima.services.evaluate.runs import evaluate_runs
+    from mima.services.evaluate.team import team_for
 
     team = team_for(options.devices, argv)
     with no_empty_folder_left(options.out):

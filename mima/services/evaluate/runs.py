@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from mima.commands.evaluate.dealing import deal, plan_units
-from mima.commands.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
-from mima.commands.evaluate.progress import ObservedCellStore, share_progress
-from mima.commands.evaluate.results import build_results, publish_results, selection_extra
-from mima.commands.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, wait_for_session
-from mima.commands.evaluate.worker import Worker
+from mima.services.evaluate.dealing import deal, plan_units
+from mima.services.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
+from mima.services.evaluate.progress import ObservedCellStore, share_progress
+from mima.services.evaluate.results import build_results, publish_results, selection_extra
+from mima.services.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, wait_for_session
+from mima.services.evaluate.worker import Worker
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
