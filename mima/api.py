@@ -164,19 +164,14 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
     """`mima evaluate RUNS --out OUT` in this process (one device): writes OUT's results files and cells,
     as the command does, and returns results.json's rows (`load_results(out)`). `merges`: the data-free
     strategies compared (default: the command's); select=False is --no-select; `cache`: --cache (auto, on, off)."""
-    argv = [str(run) for run in ([runs] if isinstance(runs, (str, os.PathLike)) else runs)]
-    argv += ["--out", str(out)]
-    if merges is not None:
-        argv += ["--merges", *merges]
-    argv += [flag for flag, wanted in (("--no-select", not select), ("--overwrite", overwrite),
-                                       ("--skip-unfinished", skip_unfinished)) if wanted]
-    for flag, value in (("--precision", precision), ("--val-examples", val_examples), ("--merge-device", merge_device),
-                        ("--num-workers", num_workers), ("--cache", cache)):
-        if value is not None:
-            argv += [flag, str(value)]
-    from mima.commands.evaluate import main
+    from mima.services.evaluate.options import evaluate_options
 
-    main(argv)
+    options = evaluate_options(runs, out, merges=merges, no_select=not select, overwrite=overwrite, precision=precision,
+                               val_examples=val_examples, skip_unfinished=skip_unfinished, merge_device=merge_device,
+                               num_workers=num_workers, cache=cache)  # refused as the command refuses its words
+    from mima.services.evaluate.runs import run_evaluation
+
+    run_evaluation(options)
     return load_results(out)
 
 

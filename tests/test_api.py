@@ -213,6 +213,28 @@ def test_fit_refuses_several_devices_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("call, argv", [
+    (dict(precision="fp8"), ["--precision", "fp8"]),
+    (dict(val_examples="many"), ["--val-examples", "many"]),
+    (dict(val_examples=0), ["--val-examples", "0"]),
+    (dict(merge_device="gpu"), ["--merge-device", "gpu"]),
+    (dict(num_workers=-1), ["--num-workers", "-1"]),
+    (dict(cache="sometimes"), ["--cache", "sometimes"]),
+    (dict(merges=[]), ["--merges"]),
+    (dict(runs=[]), []),
+], ids=["precision", "not-a-number", "no-examples", "device", "workers", "cache", "no-merges", "no-runs"])
+def test_an_evaluate_mistake_is_the_commands_line(tmp_path, call, argv):
+    """mima.evaluate checks its values without the command's parser: each mistake is still the
+    command's line, and nothing is written."""
+    runs = call.pop("runs", [tmp_path / "run"])
+    status, _, err = command("evaluate", *runs, "--out", tmp_path / "table", *argv)
+    assert status == 2 and err.startswith("mima evaluate: error: "), err
+    with pytest.raises(MimaError) as raised:
+        mima.evaluate(runs, tmp_path / "table", **call)
+    assert str(raised.value) == err.strip().removeprefix("mima evaluate: error: ")
+    assert not (tmp_path / "table").exists()
+
+
 def test_import_mima_loads_no_torch_until_a_function_is_used():
     script = ("import sys, mima\n"
               "heavy = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'open_clip'))\n"
