@@ -25,7 +25,7 @@ from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
 from mima.data.settings import DataSettings
 from mima.models.heads import task_heads
 from mima.core.plan import check_budget
-from mima.commands.fit.cli import build_cli
+from mima.services.fit.build import build_cli
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {name: REPO / "configs" / "clip" / f"{name}.yaml" for name in ("ViT-B-32", "ViT-B-16", "ViT-L-14")}

@@ -359,7 +359,7 @@ def test_lightning_runs_a_process_that_sees_one_gpu(tmp_path, small_clip):
     import lightning.fabric.accelerators.cuda as lightning_cuda
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from mima.commands.fit.cli import build_cli
+    from mima.services.fit.build import build_cli
 
     job = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
            "SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "mima",

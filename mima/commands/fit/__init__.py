@@ -1,4 +1,4 @@
-"""`mima fit`: one MIMA run through LightningCLI (the command line: mima.commands.fit.cli; the run:
+"""`mima fit`: one MIMA run through LightningCLI (the command line: mima.services.fit.build; the run:
 mima.commands.fit.run); its parser is LightningCLI's, so only a missing --config file is checked before
 Lightning is imported."""
 
@@ -14,7 +14,7 @@ from mima.core.errors import MimaError
 
 def parse(argv: Sequence[str]):
     """The parsed `mima fit` options (LightningCLI's namespace; imports Lightning, reads --config files)."""
-    from mima.commands.fit.cli import parse_fit
+    from mima.services.fit.build import parse_fit
 
     return parse_fit(list(argv))
 

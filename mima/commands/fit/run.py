@@ -1,6 +1,6 @@
 """`mima fit`, run: the run folder prepared, the Trainer fitted, a stop reported (and a SLURM job
 requeued after the warning before its time limit), a divergence reported in one line (exit status 2,
-mima.training.divergence); the options are parsed by mima.commands.fit.cli."""
+mima.training.divergence); the options are parsed by mima.services.fit.build."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.commands.fit.cli import MimaCLI, build_cli
+from mima.services.fit.build import MimaCLI, build_cli
 from mima.core.environment import global_rank, requeue_slurm_job
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
