@@ -7,11 +7,12 @@
     rows = mima.load_results("results")                    # any results folder's rows (plain dicts)
     cost = mima.plan("configs/demo.yaml", devices=2)       # `mima plan --json`, as a dict
 
-Each function runs the command's own code (its parser, checks and runner in mima.commands), so a
+Each function runs the program the command runs (mima.services: its checks and its runner), so a
 mistake raises mima.MimaError with the one line the command prints after `error:`, and what it
 writes is what the command writes. docs/api.md shows every function on the demo (tests/test_api.py
-runs the page). The API sits above the commands (tests/test_architecture.py); nothing below imports
-it, and `import mima` loads it only when one of these names is first used (mima/__init__.py).
+runs the page). The API is a front beside the commands, over the services: it imports nothing from
+mima/commands/ and parses no command line (tests/test_architecture.py); nothing in the package
+imports it, and `import mima` loads it only when one of these names is first used (mima/__init__.py).
 """
 
 from __future__ import annotations
@@ -239,25 +240,15 @@ def fit(config: PathLike | Mapping[str, Any], out: PathLike | None = None, **ove
     stopped run. The run has one process on one device whatever the config says (trainer.devices and
     trainer.num_nodes 1; for several processes run the `mima fit` command).
     """
-    from mima.commands.fit import check_config_files
-    from mima.config.trust import check_argument_code
-
-    import yaml
-
     for key in ("devices", "num_nodes"):
         wanted = (overrides.get("trainer") or {}).get(key, 1) if isinstance(overrides.get("trainer"), Mapping) else 1
         if wanted != 1:
             raise MimaError(f"trainer.{key} {wanted}: mima.fit runs in this process on one device "
                             f"(run `mima fit` for several processes)")
-    one_device = {"trainer": {"devices": 1, "num_nodes": 1}}
-    argv = ["--config", yaml.safe_dump(dict(config), sort_keys=False) if isinstance(config, Mapping) else str(config)]
-    if overrides:
-        argv += ["--config", yaml.safe_dump(dict(overrides), sort_keys=False)]
-    argv += ["--config", yaml.safe_dump(one_device)]
-    if out is not None:
-        argv += ["--out", str(out)]
-    check_config_files(argv)  # as `mima fit` checks its command line, before Lightning is imported
-    check_argument_code(argv)
-    from mima.commands.fit.run import run_fit
+    from mima.services.fit.config import one_device_layers
 
-    return Path(run_fit(argv).run_dir)
+    # checked as `mima fit` checks its --config files, before Lightning is imported
+    layers, config_name = one_device_layers(config, overrides, out)
+    from mima.services.fit.run import fit_config
+
+    return Path(fit_config(layers, config_name).run_dir)

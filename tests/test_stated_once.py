@@ -12,7 +12,7 @@ from mima.core.run_folder import JOINT
 from mima.training.checkpoint_callback import MimaCheckpoint, SaveSchedule
 from mima.training.preemption import StopAgreement
 from mima.training.strategy import MimaStrategy
-from mima.services.fit.build import TRAINER_DEFAULTS
+from mima.services.fit.program import TRAINER_DEFAULTS
 from mima.training.trainer import configured_world_size
 
 
