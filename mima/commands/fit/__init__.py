@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.config.source import bounded_yaml, config_mapping, read_config_file
+from mima.config.source import bounded_yaml, config_mapping
 from mima.config.trust import check_argument_code
-from mima.core.errors import MimaError
-from mima.services.fit.config import check_config
+from mima.services.fit.config import check_config, check_config_file
 
 
 def parse(argv: Sequence[str]):
@@ -48,12 +47,7 @@ def check_config_files(argv: Sequence[str]) -> None:
         else:
             continue
         holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
-        if holds_yaml:
-            raw = config_mapping(bounded_yaml(value, "--config"), "--config")
-        elif not Path(value).exists():
-            raise MimaError(f"--config {value}: no such file")
-        elif Path(value).is_file():
-            raw = read_config_file(Path(value), f"--config {value}")
+        if holds_yaml:  # before jsonargparse imports what it names
+            check_config(config_mapping(bounded_yaml(value, "--config"), "--config"), f"--config {value}")
         else:
-            continue  # a folder: the parser names it
-        check_config(raw, f"--config {value}")  # before jsonargparse imports what it names
+            check_config_file(Path(value), f"--config {value}")

@@ -35,6 +35,17 @@ def check_config(raw: Mapping[str, Any], source: str) -> None:
     check_config_code(raw, source)
 
 
+def check_config_file(path: Path, source: str) -> None:
+    """A config file that does not exist, or that cannot be a run config (too large, not UTF-8, YAML
+    whose aliases expand beyond a config's size, a section that is not a mapping, a number outside its
+    range, code outside mima's list), refused in one line naming `source`; a folder is left to the
+    parser, which names it."""
+    if not path.exists():
+        raise MimaError(f"{source}: no such file")
+    if path.is_file():
+        check_config(read_config_file(path, source), source)
+
+
 def one_device_layers(config: str | os.PathLike | Mapping[str, Any], overrides: Mapping[str, Any],
                       out: str | os.PathLike | None) -> tuple[ConfigLayers, str]:
     """`config`, then `overrides`, then one process on one device, then `out`, each checked; and the
@@ -43,12 +54,9 @@ def one_device_layers(config: str | os.PathLike | Mapping[str, Any], overrides: 
         file, name, mappings = None, NO_CONFIG_FILE, [checked_mapping(config, "config")]
     else:
         file, name, mappings = Path(config), Path(config).stem, []
-        source = f"--config {config}"
-        if not file.exists():
-            raise MimaError(f"{source}: no such file")
+        check_config_file(file, f"--config {config}")
         if not file.is_file():  # a folder: refused in the words the command's parser uses for it
             raise MimaError(f'config: Parser key "config": Path is not a file: {os.path.abspath(file)!r}')
-        check_config(read_config_file(file, source), source)
     if overrides:
         mappings.append(checked_mapping(overrides, "overrides"))
     mappings.append(ONE_DEVICE)
