@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from mima.core.errors import MimaError  # noqa: E402
 from mima.core.files import write_json_atomic, write_text_atomic  # noqa: E402
 from mima.core.run_folder import SweepFolder  # noqa: E402
-from mima.commands.evaluate.runs import evaluate_runs  # noqa: E402
+from mima.services.evaluate.runs import evaluate_runs  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
 from mima.commands.fit.run import run_fit  # noqa: E402
 

@@ -304,7 +304,7 @@ def later_seed_joints(config: Mapping, cell: Cell, grid: Grid, folder: Path, pro
     fitted into FOLDER/runs/joint-seed<s> (measured, like every run) and evaluated beside that seed's
     N = 1 run in FOLDER/joint-seed<s>/ (`mima evaluate`: per-image records, intervals); its row is
     repeated at each N of the cell, as the sweep's joint row is."""
-    from mima.commands.evaluate.runs import evaluate_runs
+    from mima.services.evaluate.runs import evaluate_runs
     from mima.core.run_folder import RunFolder
 
     sweep = SweepFolder(folder)

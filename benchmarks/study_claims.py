@@ -3,7 +3,7 @@ each seed, and over the seeds. benchmarks/study.py writes them to OUT/claims.md 
 
 A side of a comparison is one model of the study at each seed: a final merge of a cell's run at some
 N, or the joint model of a cell. At each seed both sides are read from their evaluations' cells
-(mima.commands.evaluate.results.recorded_test_records: the per-image records of the hyperparameters
+(mima.services.evaluate.results.recorded_test_records: the per-image records of the hyperparameters
 each chose on validation) and compared as `mima evaluate` compares two models of one run
 (mima.evaluation.significance.compare: the paired bootstrap over the test images of the difference
 of the mean accuracies). The two sides of a seed were trained from the same data seed, so they were
@@ -105,7 +105,7 @@ def verdict(intervals: Sequence[tuple[float, float]], over_seeds: tuple[float, f
 
 def evaluate_claim(claim: Claim, out: Path, seeds: Sequence[int]) -> dict | None:
     """The claim's numbers in points (%), or None while a side's evaluation is not there yet."""
-    from mima.commands.evaluate.results import recorded_test_records
+    from mima.services.evaluate.results import recorded_test_records
     from mima.evaluation.significance import compare
 
     per_seed = []

@@ -5,18 +5,22 @@ The pieces, by package (imports go one way, top to bottom; tests/test_architectu
                    the run-folder contract (RunFolder, SweepFolder), errors; imports nothing above it
   mima.data        task registry and suites, splits, the per-task batch schedule, the datamodule
   mima.models      open_clip models, the embedded models, frozen heads, BatchNorm freezing
-  mima.training    the LightningModule, the MIMA synchronisation callback, `mima fit`, the run config
+  mima.training    the LightningModule, the MIMA synchronisation callback, what a `mima fit` run is built
+                   from (strategy, layout, resume, checkpoints)
   mima.merging     merge strategies (one module each), their registry, the streaming engine (core only)
   mima.evaluation  accuracy, the Table-1 style results (numbers, Markdown tables, files), plots
   mima.pools       model pool and task pool for data-dependent merges, selection and analyses
   mima.analysis    why a merge works: one package per analysis (computation, plot, command)
   mima.convert     pickled modules read without running them; transformers CLIP <-> open_clip
-  mima.commands    one module or package per command (its options, parse, main and what it runs:
-                   the sweep, the evaluation of runs, the demo, the report, merges of files) and the
-                   COMMANDS table
+  mima.services    the programs behind both fronts, the commands and the Python API: `mima fit`'s (its
+                   config parsed, build_trainer, the run), `mima merge`'s, `mima evaluate`'s
+  mima.commands    one module or package per command (its options, parse and main, and what only the
+                   command line runs: the sweep, the demo, the report) and the COMMANDS table; only
+                   the command line imports it
   mima.cli         the command line: parses and dispatches through that table
   mima.api         the commands as Python functions for notebooks (docs/api.md): mima.fit, mima.plan,
-                   mima.merge, mima.evaluate, mima.load_results, mima.MimaError, loaded on first use
+                   mima.merge, mima.evaluate, mima.load_results, mima.MimaError, loaded on first use;
+                   a front beside the commands over mima.services (it imports nothing from them)
 """
 
 import os

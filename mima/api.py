@@ -85,19 +85,14 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
     """`mima evaluate RUNS --out OUT` in this process (one device): writes OUT's results files and cells,
     as the command does, and returns results.json's rows (`load_results(out)`). `merges`: the data-free
     strategies compared (default: the command's); select=False is --no-select; `cache`: --cache (auto, on, off)."""
-    argv = [str(run) for run in ([runs] if isinstance(runs, (str, os.PathLike)) else runs)]
-    argv += ["--out", str(out)]
-    if merges is not None:
-        argv += ["--merges", *merges]
-    argv += [flag for flag, wanted in (("--no-select", not select), ("--overwrite", overwrite),
-                                       ("--skip-unfinished", skip_unfinished)) if wanted]
-    for flag, value in (("--precision", precision), ("--val-examples", val_examples), ("--merge-device", merge_device),
-                        ("--num-workers", num_workers), ("--cache", cache)):
-        if value is not None:
-            argv += [flag, str(value)]
-    from mima.commands.evaluate import main
+    from mima.services.evaluate.options import evaluate_options
 
-    main(argv)
+    options = evaluate_options(runs, out, merges=merges, no_select=not select, overwrite=overwrite, precision=precision,
+                               val_examples=val_examples, skip_unfinished=skip_unfinished, merge_device=merge_device,
+                               num_workers=num_workers, cache=cache)  # refused as the command refuses its words
+    from mima.services.evaluate.runs import run_evaluation
+
+    run_evaluation(options)
     return load_results(out)
 
 
@@ -165,25 +160,15 @@ def fit(config: PathLike | Mapping[str, Any], out: PathLike | None = None, **ove
     stopped run. The run has one process on one device whatever the config says (trainer.devices and
     trainer.num_nodes 1; for several processes run the `mima fit` command).
     """
-    from mima.commands.fit import check_config_files
-    from mima.config.trust import check_argument_code
-
-    import yaml
-
     for key in ("devices", "num_nodes"):
         wanted = (overrides.get("trainer") or {}).get(key, 1) if isinstance(overrides.get("trainer"), Mapping) else 1
         if wanted != 1:
             raise MimaError(f"trainer.{key} {wanted}: mima.fit runs in this process on one device "
                             f"(run `mima fit` for several processes)")
-    one_device = {"trainer": {"devices": 1, "num_nodes": 1}}
-    argv = ["--config", yaml.safe_dump(dict(config), sort_keys=False) if isinstance(config, Mapping) else str(config)]
-    if overrides:
-        argv += ["--config", yaml.safe_dump(dict(overrides), sort_keys=False)]
-    argv += ["--config", yaml.safe_dump(one_device)]
-    if out is not None:
-        argv += ["--out", str(out)]
-    check_config_files(argv)  # as `mima fit` checks its command line, before Lightning is imported
-    check_argument_code(argv)
-    from mima.commands.fit.run import run_fit
+    from mima.services.fit.config import one_device_layers
 
-    return Path(run_fit(argv).run_dir)
+    # checked as `mima fit` checks its --config files, before Lightning is imported
+    layers, config_name = one_device_layers(config, overrides, out)
+    from mima.services.fit.run import fit_config
+
+    return Path(fit_config(layers, config_name).run_dir)

@@ -258,6 +258,56 @@ def test_fit_refuses_several_devices_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("call, argv", [
+    (dict(precision="fp8"), ["--precision", "fp8"]),
+    (dict(val_examples="many"), ["--val-examples", "many"]),
+    (dict(val_examples=0), ["--val-examples", "0"]),
+    (dict(merge_device="gpu"), ["--merge-device", "gpu"]),
+    (dict(num_workers=-1), ["--num-workers", "-1"]),
+    (dict(cache="sometimes"), ["--cache", "sometimes"]),
+    (dict(merges=[]), ["--merges"]),
+    (dict(runs=[]), []),
+], ids=["precision", "not-a-number", "no-examples", "device", "workers", "cache", "no-merges", "no-runs"])
+def test_an_evaluate_mistake_is_the_commands_line(tmp_path, call, argv):
+    """mima.evaluate checks its values without the command's parser: each mistake is still the
+    command's line, and nothing is written."""
+    runs = call.pop("runs", [tmp_path / "run"])
+    status, _, err = command("evaluate", *runs, "--out", tmp_path / "table", *argv)
+    assert status == 2 and err.startswith("mima evaluate: error: "), err
+    with pytest.raises(MimaError) as raised:
+        mima.evaluate(runs, tmp_path / "table", **call)
+    assert str(raised.value) == err.strip().removeprefix("mima evaluate: error: ")
+    assert not (tmp_path / "table").exists()
+
+
+def test_fits_config_layers_are_parsed_as_the_commands_config_files(tmp_path):
+    """mima.fit hands its config file, overrides and out to the program as layers (no YAML strings on a
+    command line): parsed, they are the config the command makes of the same file and overrides as
+    --config values, down to the YAML the run folder stores (a section's keys and a class's init_args
+    merged, a dict value replaced)."""
+    from mima.commands.fit.parser import ParsedOnly, build_cli
+    from mima.services.fit.config import one_device_layers
+    from mima.services.fit.program import build_program
+
+    config_file = tmp_path / "base.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "model": {"clip": "embedded:tiny-digits", "steps": {"rot90": 8, "mirror": 4}, "lr": "1e-3"},
+        "data": {"tasks": ["rot90", "mirror"]},
+        "trainer": {"accelerator": "cpu", "devices": 2,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "a"}}}}))
+    overrides = {"model": {"steps": {"rot90": 6}, "iterations": 1}, "trainer": {"logger": {"init_args": {"name": "b"}}}}
+    layers, name = one_device_layers(config_file, overrides, tmp_path / "run")
+    ours = build_program(layers, ParsedOnly)
+    one_device = yaml.safe_dump({"trainer": {"devices": 1, "num_nodes": 1}})
+    theirs = build_cli(["--config", str(config_file), "--config", yaml.safe_dump(overrides), "--config", one_device,
+                        "--out", str(tmp_path / "run")], ParsedOnly)
+    assert name == "base"
+    assert ours.parser.dump(ours.config, skip_none=False) == theirs.parser.dump(theirs.config, skip_none=False)
+    stored = yaml.safe_load(ours.parser.dump(ours.config, skip_none=False))
+    assert stored["model"]["steps"] == {"rot90": 6} and stored["trainer"]["devices"] == 1
+    assert stored["trainer"]["logger"]["init_args"]["save_dir"] == "a" and stored["trainer"]["logger"]["init_args"]["name"] == "b"
+
+
 def test_import_mima_loads_no_torch_until_a_function_is_used():
     script = ("import sys, mima\n"
               "heavy = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'open_clip'))\n"

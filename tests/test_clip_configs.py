@@ -25,7 +25,9 @@ from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
 from mima.data.settings import DataSettings
 from mima.models.heads import task_heads
 from mima.core.plan import check_budget
-from mima.commands.fit.cli import build_cli
+from mima.commands.fit.parser import build_cli
+from mima.services.fit.build import build_trainer
+from mima.services.fit.program import fit_settings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {name: REPO / "configs" / "clip" / f"{name}.yaml" for name in ("ViT-B-32", "ViT-B-16", "ViT-L-14")}
@@ -120,11 +122,11 @@ def b32(tmp_path_factory):
     nothing fitted), with random weights and the CPU in place of the GPU."""
     folder = tmp_path_factory.mktemp("clip-config")
     root = _names_only_root(folder / "data", EIGHT)
-    cli = build_cli([
+    program = build_cli([
         "--config", str(CONFIGS["ViT-B-32"]), "--model.pretrained", "none", "--data.root", str(root),
         "--trainer.accelerator", "cpu", "--out", str(folder / "run"),
     ])
-    return cli, folder
+    return build_trainer(fit_settings(program, "ViT-B-32")), folder  # its model, datamodule and trainer
 
 
 def _heads(cli, folder: Path, tasks) -> dict[str, torch.Tensor]:

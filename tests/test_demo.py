@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mima.cli import main
-from mima.commands.common import COMPARED_MERGES
+from mima.services.evaluate.options import COMPARED_MERGES
 from mima.merging import get_method
 from mima.pools import task_pool
 from mima.merging.selection import select_on_validation

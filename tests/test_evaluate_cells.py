@@ -16,7 +16,7 @@ import torch
 from torchmetrics.classification import MulticlassAccuracy
 
 from mima.cli import main
-from mima.commands.evaluate.dealing import Unit, deal
+from mima.services.evaluate.dealing import Unit, deal
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_checked_cells
 from mima.commands.fit.run import run_fit

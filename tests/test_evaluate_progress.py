@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mima.commands.evaluate.dealing import deal, plan_units
-from mima.commands.evaluate.evaluation import data_free_per_model, describe_evaluation
-from mima.commands.evaluate.progress import CellReporter
+from mima.services.evaluate.dealing import deal, plan_units
+from mima.services.evaluate.evaluation import data_free_per_model, describe_evaluation
+from mima.services.evaluate.progress import CellReporter
 from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 from tests.helpers import cli, run_command
@@ -79,7 +79,7 @@ def test_one_line_per_unit_counting_up_to_the_shares_cells_and_a_resume_counts_t
 
 
 def _grid_of(method: str) -> list:
-    from mima.commands.evaluate.grid_search import grid_points
+    from mima.services.evaluate.grid_search import grid_points
     from mima.merging import get_method
 
     return grid_points(get_method(method))

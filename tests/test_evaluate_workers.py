@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from mima.cli import main
 from mima.core.errors import MimaError
 from mima.commands.evaluate import parse
-from mima.commands.evaluate.runs import evaluate_runs
-from mima.commands.evaluate.team import Team, team_for
+from mima.services.evaluate.runs import evaluate_runs
+from mima.services.evaluate.team import Team, team_for
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped
 from mima.evaluation.device import claim_device, device_index
 from mima.evaluation.loader_pool import LoaderPool

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from mima.cli import main
-from mima.commands.evaluate.runs import evaluate_runs
+from mima.services.evaluate.runs import evaluate_runs
 from mima.commands.fit.run import run_fit
 from tests.conftest import fit_config
 

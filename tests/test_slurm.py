@@ -359,7 +359,9 @@ def test_lightning_runs_a_process_that_sees_one_gpu(tmp_path, small_clip):
     import lightning.fabric.accelerators.cuda as lightning_cuda
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from mima.commands.fit.cli import build_cli
+    from mima.commands.fit.parser import build_cli
+    from mima.services.fit.build import build_trainer
+    from mima.services.fit.program import fit_settings
 
     job = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
            "SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "mima",
@@ -374,7 +376,7 @@ def test_lightning_runs_a_process_that_sees_one_gpu(tmp_path, small_clip):
         config["trainer"].update(accelerator="gpu", devices=8, num_nodes=1)
         with mock.patch.dict(os.environ, environment), mock.patch.object(lightning_cuda, "num_cuda_devices", return_value=1), \
                 mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count", return_value=1):
-            trainer = build_cli(config).trainer  # SLURMEnvironment reads the variables when asked: ask here
+            trainer = build_trainer(fit_settings(build_cli(config), "cli")).trainer  # SLURMEnvironment reads the variables when asked: ask here
             return (type(trainer.strategy.cluster_environment).__name__, trainer.strategy.root_device,
                     trainer.global_rank, trainer.world_size, trainer.num_devices)
 

@@ -22,7 +22,7 @@ from mima.training.checkpoint_callback import MimaCheckpoint
 from mima.training.save_schedule import SaveSchedule
 from mima.training.preemption import StopAgreement
 from mima.training.strategy import MimaStrategy
-from mima.commands.fit.cli import TRAINER_DEFAULTS
+from mima.services.fit.program import TRAINER_DEFAULTS
 from mima.training.trainer import configured_world_size
 
 

@@ -182,7 +182,7 @@ def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_
     assert gap["ci95_over_seeds"] == [pytest.approx(statistics.fmean(differences) - half, abs=1e-9),
                                       pytest.approx(statistics.fmean(differences) + half, abs=1e-9)]
     assert f"| {gap['difference']:+.1f} ± {gap['difference_std']:.1f} |" in (out / "claims.md").read_text()
-    from mima.commands.evaluate.results import recorded_test_records
+    from mima.services.evaluate.results import recorded_test_records
 
     with pytest.raises(MimaError, match="not an evaluation folder"):
         recorded_test_records(folder / "runs", folder / "runs" / "N1-seed0", "uniform")

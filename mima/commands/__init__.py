@@ -3,8 +3,9 @@ without running anything; `main(argv)` runs it (exit status, or None for 0).
 
 COMMANDS is the one list of them: `mima --help`, the dispatch and `parse` in mima.cli all read it.
 A command's module imports nothing heavy at module level (torch, Lightning, open_clip load inside
-`main`, once the options have parsed), so that `--help` and argument errors answer at once. Only
-mima.cli (and `python -m mima`) imports this package.
+`main`, once the options have parsed), so that `--help` and argument errors answer at once. What a
+command runs that the Python API (mima.api) runs too is a program of mima.services, below both
+fronts; only mima.cli (and `python -m mima`) imports this package.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from mima.analysis import ANALYSES
 from mima.analysis.options import ModelOptions, OutputOptions
-from mima.commands.common import OneLineParser, frozen_options, no_empty_folder_left
+from mima.commands.common import OneLineParser, frozen_options
+from mima.core.folders import no_empty_folder_left
 from mima.config.source import check_config_source
 from mima.core.errors import MimaError
 

@@ -1,12 +1,12 @@
 """What several commands share: the one-line argument parser, the --config/--data.root arguments and
-the config they load, the clean-up of an --out folder a failed command created, and the one-line
-forms of operating-system errors. Imports nothing heavy (the config machinery loads on use).
+the config they load, the one-line forms of operating-system errors and the spelling of a device as
+an argument type. Imports nothing heavy (the config machinery loads on use). (The clean-up of an
+--out folder a failed command created, which the services use too: mima.core.folders.)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import errno
 import itertools
@@ -142,26 +142,6 @@ def config_with_root(options: ConfigOptions):
     return config
 
 
-@contextlib.contextmanager
-def no_empty_folder_left(folder: Path | None):
-    """A command that fails (a mistake found late, a signal) leaves no empty --out folder behind,
-    nor the empty parents it created for it; a folder that existed before, or holds files, stays."""
-    if folder is None:
-        yield
-        return
-    folder = Path(folder)
-    created = [path for path in (folder, *folder.parents) if not path.exists() and not path.is_symlink()]
-    try:
-        yield
-    except BaseException:
-        for path in created:  # the deepest first
-            try:
-                path.rmdir()  # only an empty folder goes
-            except OSError:
-                break
-        raise
-
-
 OS_ERROR_HINTS = {
     errno.ENOSPC: "free space there or write elsewhere",
     errno.EDQUOT: "free space in your quota or write elsewhere",
@@ -211,9 +191,6 @@ def capped(text: str) -> str:
         return line
     keep = MAX_ERROR_CHARS - 60
     return f"{line[:keep]} ... ({len(line) - keep} more characters left out)"
-
-# the data-free merges the demo and `mima evaluate` compare unless --merges names others (the foundation merges)
-COMPARED_MERGES = ("uniform", "task_arithmetic", "ties", "cart")
 
 
 def device_spelling(text: str) -> str:

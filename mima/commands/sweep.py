@@ -3,7 +3,7 @@ run, the Table-1 style results (results.json / .csv / .md, selection.json) and t
 
 `mima demo` is this sweep on the embedded digits config; `benchmarks/offline_suite.py` runs it on
 any config file (the offline suite's, or a user's custom image-folder tasks); `mima evaluate`
-(mima.commands.evaluate.runs) is its second half for runs that already exist (e.g. the SLURM sweep's, one
+(mima.services.evaluate.runs) is its second half for runs that already exist (e.g. the SLURM sweep's, one
 per N and seed, which slurm/evaluate_sweep.sbatch evaluates).
 
 With `seeds`, the sweep fits once per (N, seed) into runs/N<n>-seed<s> (seed_everything and
@@ -26,7 +26,7 @@ from mima.core.bounded_json import read_json
 from mima.core.plan import check_budget
 from mima.core.names import JOINT
 from mima.core.run_folder import RunFolder, SweepFolder
-from mima.commands.evaluate.runs import data_free_per_model, evaluate_runs
+from mima.services.evaluate.runs import data_free_per_model, evaluate_runs
 from mima.evaluation.results import ModelResult
 from mima.config.model import ModelSettings
 from mima.core.cache_dir import cache_dir_or_default

@@ -1,4 +1,4 @@
-"""What `mima fit` (mima.commands.fit) builds a run from, once its options are parsed: the process
+"""What `mima fit` (mima.services.fit) builds a run from, once its options are parsed: the process
 layout of the run's tasks and its check, the run's strategy (MimaStrategy, given the run's tasks,
 stop protocol and RunStart when it is made), what a resume may change about the number of processes,
 and whether a run has finished. Nothing here reads a command line.

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.commands.common import (OneLineParser, add_config_arguments, config_with_root, frozen_options,
-                                  no_empty_folder_left)
+from mima.commands.common import OneLineParser, add_config_arguments, config_with_root, frozen_options
+from mima.core.folders import no_empty_folder_left
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.commands.common import COMPARED_MERGES, OneLineParser, frozen_options
+from mima.commands.common import OneLineParser, frozen_options
+from mima.services.evaluate.options import COMPARED_MERGES
 
 DEMO_ITERATIONS = (1, 2, 4, 8)  # the values of N the demo trains
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.commands.common import COMPARED_MERGES
 from mima.commands.demo import DEMO_ITERATIONS
 from mima.core.errors import MimaError
 from mima.evaluation.results import ModelResult
 from mima.commands.sweep import run_sweep
 from mima.config.run_config import load_run_config
+from mima.services.evaluate.options import COMPARED_MERGES
 
 DEMO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 

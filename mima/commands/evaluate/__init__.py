@@ -5,45 +5,17 @@ also get rows with the mean and standard deviation over the seeds. Every result 
 --out/cells/ as soon as it is known: after a stop (SIGTERM, SIGUSR1, a crash) the same command goes
 on where it stopped.
 """
-# `mima evaluate`: merge and evaluate finished runs, the Table-1 results (mima.commands.evaluate.runs runs it).
+# `mima evaluate`: the command line of mima.services.evaluate (its options: .options, its program: .runs).
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from mima.commands.common import COMPARED_MERGES, device_spelling
-from mima.commands.common import OneLineParser, frozen_options, no_empty_folder_left
+from mima.commands.common import OneLineParser, device_spelling, frozen_options
 from mima.core.errors import MimaError
 from mima.evaluation.cache_use import CACHE_MODES
-
-
-@dataclass(frozen=True)
-class EvaluateOptions:
-    runs: tuple[Path, ...]  # `mima fit` run folders
-    out: Path
-    merges: tuple[str, ...]
-    no_select: bool
-    overwrite: bool
-    devices: int | None  # processes; None: 1, or one per srun task
-    precision: str | None  # None: bf16-mixed on a GPU, 32-true on the CPU
-    val_examples: int | None  # K validation examples per task; None: all
-    skip_unfinished: bool
-    merge_device: str | None  # None: auto
-    num_workers: int | None  # None: the run's data.num_workers
-    log_to_tracker: bool  # also send each run's rows to the tracker runs its fit logged to
-    cache: str  # auto, on or off (mima.evaluation.cache_use)
-
-    def __post_init__(self) -> None:
-        """The checks argparse cannot make, each made here once (what needs torch, e.g. whether this
-        machine has --devices GPUs, mima.commands.evaluate.team checks)."""
-        if self.devices is not None and self.devices < 1:
-            raise MimaError(f"--devices {self.devices}: expected at least 1")
-        if self.val_examples is not None and self.val_examples <= 0:
-            raise MimaError(f"--val-examples {self.val_examples}: expected a positive number of examples per task")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise MimaError(f"--num-workers {self.num_workers}: expected 0 or more loader worker processes")
+from mima.services.evaluate.options import COMPARED_MERGES, PRECISIONS, EvaluateOptions
 
 
 def parse(argv: Sequence[str]) -> EvaluateOptions:
@@ -59,7 +31,7 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
     parser.add_argument("--devices", type=int, default=None,
                         help="processes, one device (GPU, or CPU core) each, that share the work (default 1; under "
                         "srun: one per task)")
-    parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "16-mixed"), default=None,
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
                         help="default: bf16-mixed on a GPU, 32-true on the CPU")
     parser.add_argument("--val-examples", type=int, default=None, metavar="K",
                         help="choose hyperparameters on a fixed random subset of K validation examples per task "
@@ -91,13 +63,6 @@ def parse(argv: Sequence[str]) -> EvaluateOptions:
 
 def main(argv: Sequence[str]) -> None:
     options = parse(argv)
-    from mima.commands.evaluate.runs import evaluate_runs
-    from mima.commands.evaluate.team import team_for
+    from mima.services.evaluate.runs import run_evaluation
 
-    team = team_for(options.devices, argv)
-    with no_empty_folder_left(options.out):
-        evaluate_runs(list(options.runs), options.out, list(options.merges), not options.no_select, options.overwrite,
-                      precision=options.precision, val_examples=options.val_examples, team=team,
-                      skip_unfinished=options.skip_unfinished, num_workers=options.num_workers,
-                      merge_device=options.merge_device, log_to_tracker=options.log_to_tracker,
-                      cache=options.cache)
+    run_evaluation(options, argv)  # with --devices N, the others are started with this command line

@@ -1,20 +1,20 @@
-"""`mima fit`: one MIMA run through LightningCLI (the command line: mima.commands.fit.cli; the run:
-mima.commands.fit.run); its parser is LightningCLI's, so only a missing --config file is checked before
-Lightning is imported."""
+"""`mima fit`: one MIMA run through LightningCLI (the command line: mima.commands.fit.parser; the
+program it runs: mima.services.fit); its parser is LightningCLI's, so only the --config files (and
+the code the command line names) are checked before Lightning is imported."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from mima.config.source import bounded_yaml, check_run_values, config_mapping, read_config_file
-from mima.config.trust import check_argument_code, check_config_code
-from mima.core.errors import MimaError
+from mima.config.source import bounded_yaml, config_mapping
+from mima.config.trust import check_argument_code
+from mima.services.fit.config import check_config, check_config_file
 
 
 def parse(argv: Sequence[str]):
     """The parsed `mima fit` options (LightningCLI's namespace; imports Lightning, reads --config files)."""
-    from mima.commands.fit.cli import parse_fit
+    from mima.commands.fit.parser import parse_fit
 
     return parse_fit(list(argv))
 
@@ -47,13 +47,7 @@ def check_config_files(argv: Sequence[str]) -> None:
         else:
             continue
         holds_yaml = any(mark in value for mark in ("{", "\n", ": "))
-        if holds_yaml:
-            raw = config_mapping(bounded_yaml(value, "--config"), "--config")
-        elif not Path(value).exists():
-            raise MimaError(f"--config {value}: no such file")
-        elif Path(value).is_file():
-            raw = read_config_file(Path(value), f"--config {value}")
+        if holds_yaml:  # before jsonargparse imports what it names
+            check_config(config_mapping(bounded_yaml(value, "--config"), "--config"), f"--config {value}")
         else:
-            continue  # a folder: the parser names it
-        check_run_values(raw)
-        check_config_code(raw, f"--config {value}")  # before jsonargparse imports what it names
+            check_config_file(Path(value), f"--config {value}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
-from mima.commands.evaluate.grid_search import full_point, recorded_best
+from mima.services.evaluate.evaluation import NO_POINT, Evaluation
+from mima.services.evaluate.grid_search import full_point, recorded_best
 from mima.core.errors import MimaError
 from mima.core.files import write_error
 from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT

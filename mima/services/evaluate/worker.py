@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from mima.commands.evaluate.dealing import Unit
-from mima.commands.evaluate.evaluation import NO_POINT, Evaluation
-from mima.commands.evaluate.grid_search import full_point, grid_merges, merge_at, validation_score
+from mima.services.evaluate.dealing import Unit
+from mima.services.evaluate.evaluation import NO_POINT, Evaluation
+from mima.services.evaluate.grid_search import full_point, grid_merges, merge_at, validation_score
 from mima.core.errors import MimaError
 from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 from mima.core.state_dicts import mean_off_diagonal, task_vector_cosines

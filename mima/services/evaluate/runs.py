@@ -23,8 +23,9 @@ How it survives a preemptible cluster:
 
 The parts, one job each: what is evaluated and its checks (evaluation), the processes and their
 stop (team), which process evaluates which cells (dealing), one process's cells (worker), each
-merge's best grid point (grid_search), the results built and written from the cells (results).
-This module composes them.
+merge's best grid point (grid_search), the results built and written from the cells (results);
+what is asked, and its checks, in options. This module composes them: `run_evaluation` is the one
+entry of `mima evaluate` and mima.api.evaluate, `evaluate_runs` that of the sweep and the demo.
 """
 
 from __future__ import annotations
@@ -36,12 +37,7 @@ from pathlib import Path
 
 import torch
 
-from mima.commands.evaluate.dealing import deal, plan_units
-from mima.commands.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
-from mima.commands.evaluate.progress import ObservedCellStore, share_progress
-from mima.commands.evaluate.results import build_results, publish_results, selection_extra
-from mima.commands.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, wait_for_session
-from mima.commands.evaluate.worker import Worker
+from mima.core.folders import no_empty_folder_left
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
@@ -49,6 +45,27 @@ from mima.evaluation.cache_use import CacheUse, cache_use, manifest_entry
 from mima.evaluation.device import claim_device
 from mima.evaluation.results import ModelResult
 from mima.merging.engine import merge_device as resolve_merge_device
+from mima.services.evaluate.dealing import deal, plan_units
+from mima.services.evaluate.evaluation import Evaluation, data_free_per_model, describe_evaluation
+from mima.services.evaluate.options import EvaluateOptions
+from mima.services.evaluate.progress import ObservedCellStore, share_progress
+from mima.services.evaluate.results import build_results, publish_results, selection_extra
+from mima.services.evaluate.team import StopRequests, Team, finish_rank, new_session, stopped, team_for, wait_for_session
+from mima.services.evaluate.worker import Worker
+
+
+def run_evaluation(options: EvaluateOptions, argv: Sequence[str] | None = None) -> list[ModelResult] | None:
+    """`mima evaluate` as `options` ask: this process's place among --devices processes (`argv`, the
+    command line the others are started with; None: one process), then evaluate_runs into
+    options.out, which is not left behind empty when the evaluation fails. Returns the results in
+    process 0, None elsewhere."""
+    team = team_for(options.devices, argv)
+    with no_empty_folder_left(options.out):
+        return evaluate_runs(list(options.runs), options.out, list(options.merges), not options.no_select,
+                             options.overwrite, precision=options.precision, val_examples=options.val_examples,
+                             team=team, skip_unfinished=options.skip_unfinished, num_workers=options.num_workers,
+                             merge_device=options.merge_device, log_to_tracker=options.log_to_tracker,
+                             cache=options.cache)
 
 
 def evaluate_runs(

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from mima.commands.evaluate.dealing import Unit
-from mima.commands.evaluate.evaluation import Evaluation
+from mima.services.evaluate.dealing import Unit
+from mima.services.evaluate.evaluation import Evaluation
 from mima.core.names import JOINT
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore
 
@@ -150,7 +150,7 @@ def share_progress(evaluation: Evaluation, units: Sequence[Unit], store: CellSto
 
 
 def unit_cells(evaluation: Evaluation, unit: Unit) -> tuple[str, str]:
-    """(run, model) of every cell the unit records, as mima.commands.evaluate.worker names them (one
+    """(run, model) of every cell the unit records, as mima.services.evaluate.worker names them (one
     unit per run and model: no other unit records cells of that pair)."""
     if unit.kind == JOINT:
         return evaluation.run_id(evaluation.joint), JOINT

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mima.commands.evaluate.evaluation import Evaluation
+from mima.services.evaluate.evaluation import Evaluation
 from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 
 

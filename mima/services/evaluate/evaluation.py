@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mima.commands.evaluate.grid_search import GridPoint, grid_points
+from mima.services.evaluate.grid_search import GridPoint, grid_points
 from mima.config.run_config import load_run_config
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
