@@ -1,5 +1,5 @@
 """The progress bar's items: phase, task and the newest logged loss, which the sync callback keeps in
-the process's PhaseState (handed to the bar when it is made), not on the module."""
+the process's phase state, read through its view (handed to the bar when it is made), not on the module."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from mima.core.plan import PhasePlan
 from mima.training.phase_state import PhaseState
+from mima.training.phase_view import PhaseView
 from mima.training.progress import MimaProgressBar, MimaRichProgressBar, mima_metrics
 from mima.training.sync import MimaSyncCallback
 
@@ -27,7 +28,7 @@ def _plan() -> PhasePlan:
 
 
 def test_the_bar_shows_phase_task_and_the_phase_states_loss():
-    phases = PhaseState(shown_loss=0.123456)
+    phases = PhaseView(PhaseState(shown_loss=0.123456), owner=None)
     trainer = SimpleNamespace(global_step=6)  # phase 2 starts at process step 4; steps 6, 7 are "b"'s
     items = mima_metrics({"v_num": 3, "other": 1}, trainer, SimpleNamespace(plan=_plan()), phases)
     assert items == {"other": 1, "phase": "2/2", "task": "b", "loss": 0.1235}
@@ -36,13 +37,13 @@ def test_the_bar_shows_phase_task_and_the_phase_states_loss():
 def test_without_a_phase_state_or_a_loss_the_bar_shows_none():
     trainer = SimpleNamespace(global_step=0)
     assert mima_metrics({}, trainer, SimpleNamespace(plan=_plan()), None) == {"phase": "1/2", "task": "a"}
-    assert mima_metrics({}, trainer, SimpleNamespace(plan=None), PhaseState()) == {}
-    assert MimaProgressBar().phase_state is None and MimaRichProgressBar(PhaseState()).phase_state is not None
+    assert mima_metrics({}, trainer, SimpleNamespace(plan=None), PhaseView.without_phases()) == {}
+    assert MimaProgressBar().phases is None and MimaRichProgressBar(PhaseView.without_phases()).phases is not None
 
 
 def test_the_sync_callback_keeps_the_logged_loss_in_the_phase_state_not_on_the_module():
-    phases = PhaseState()
-    sync = MimaSyncCallback(phases)
+    sync = MimaSyncCallback()
+    phases = sync.phase_view()
     logger = RecordingLogger()
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=1, loggers=[logger])
     module = SimpleNamespace(plan=_plan(), learning_rate=lambda step: 1e-3 * (step + 1))
@@ -55,4 +56,4 @@ def test_the_sync_callback_keeps_the_logged_loss_in_the_phase_state_not_on_the_m
     assert phases.shown_loss == 0.75
     assert not hasattr(module, "shown_loss")
     bar = MimaProgressBar(phases)
-    assert mima_metrics({}, trainer, module, bar.phase_state)["loss"] == 0.75
+    assert mima_metrics({}, trainer, module, bar.phases)["loss"] == 0.75

@@ -57,7 +57,7 @@ class SegmentEndProbe(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         sync = next(callback for callback in trainer.callbacks if isinstance(callback, MimaSyncCallback))
-        self.host = sync.phases.host
+        self.host = sync.phase_view().host
         optimizer = trainer.optimizers[0]
         load = optimizer.load_state_dict
 

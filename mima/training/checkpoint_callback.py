@@ -22,8 +22,11 @@ saves nothing more, so the states on disk stay the last good ones (mima.training
 
 A state is built here from Lightning's public accessors (loop, optimiser, scheduler and callback
 states, in the layout `trainer.fit(ckpt_path=...)` restores), plus mima's own section: the run's
-identity, the random states (mima.training.rng_state) and the PhaseState, which this callback
-serialises and restores but never changes (MimaSyncCallback does). Which states a resume starts from: mima.training.resume.
+identity, the random states (mima.training.rng_state) and the phase state, which MimaSyncCallback
+owns, changes and restores: this callback reads what a save holds through the sync callback's view
+(mima.training.phase_view), given when it is made, and runs after that callback (checked in
+`setup`: a save at a segment end or sync holds what the sync callback's same hook has just kept).
+Which states a resume starts from: mima.training.resume.
 
 Nobody waits for the disk at a sync: files no resume can need any more are removed once the
 processes' newer states are known to be on disk (mima.training.checkpoint_retention: the committed
@@ -56,7 +59,8 @@ from mima.training.checkpoint_format import (STATE_NAME, CheckpointFiles, cpu_sn
                                              references, state_writer)
 from mima.training.checkpoint_retention import Commitments, Retention, StateRecord
 from mima.training.divergence import divergence_report, nonfinite_key
-from mima.training.phase_state import BufferName, PhaseState, StepWatch
+from mima.training.phase_state import BufferName, StepWatch
+from mima.training.phase_view import PhaseView
 from mima.training.preemption import StopAgreement
 from mima.training.resume import RunStart
 from mima.training.rng_state import capture_rng, restore_rng
@@ -70,7 +74,8 @@ class MimaCheckpoint(Checkpoint):
     """Saves each process's state as described in the module docstring; acts on stop requests.
 
     Args:
-        phase_state: the process's PhaseState (shared with the sync callback, which changes it).
+        phases: the sync callback's view of the process's phase state (MimaSyncCallback.phase_view;
+            the joint baseline, which has no phases: PhaseView.without_phases()).
         stop: the process's side of the stop protocol (its store also carries the durable states).
         run_start: the run's identity, which every state records, and the cut this attempt resumes
             (mima.training.resume.RunStart: filled by `mima fit` before training starts).
@@ -78,13 +83,14 @@ class MimaCheckpoint(Checkpoint):
         keep: keep the checkpoints folder after the run has finished.
         writer: the process's background writer (`mima fit` passes the one that also writes the
             final task models, mima.training.sync); default: one of this callback's own. Closed at
-            the end of training either way: this callback's on_train_end runs after the sync's.
+            the end of training either way: this callback's on_train_end runs after the sync's
+            (`setup` refuses another order).
     """
 
-    def __init__(self, phase_state: PhaseState, stop: StopAgreement, run_start: RunStart,
+    def __init__(self, phases: PhaseView, stop: StopAgreement, run_start: RunStart,
                  every: SaveSchedule | str | int = CHECKPOINT_EVERY_ON_CPU, keep: bool = False,
                  writer: BackgroundWriter | None = None) -> None:
-        self.phase_state = phase_state
+        self.phases = phases
         self.stop = stop
         self.run_start = run_start
         self.every = every if isinstance(every, SaveSchedule) else SaveSchedule.parse(every)
@@ -110,10 +116,12 @@ class MimaCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------------- lifecycle
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.phases.check_order(trainer.callbacks, self)
+
+    @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint["mima"]
-        self.phase_state.load_state_dict(saved["phase_state"])
-        restore_rng(saved["rng"])
+        restore_rng(checkpoint["mima"]["rng"])  # the phase state: MimaSyncCallback restores its own
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -213,7 +221,7 @@ class MimaCheckpoint(Checkpoint):
             ended_phase = plan.phase_of(step - 1)
             ends_segment = plan.ends_segment(step - 1)
             # the sync ran (not left pending by a stop): then every process has just run it and is here
-            at_sync = plan.ends_phase(step - 1) and self.phase_state.avg_phase == ended_phase
+            at_sync = plan.ends_phase(step - 1) and self.phases.avg_phase == ended_phase
         if every.kind == "segment":
             return ends_segment
         if every.kind == "steps":
@@ -242,9 +250,9 @@ class MimaCheckpoint(Checkpoint):
             return False
         if self.healthy_at == trainer.global_step:
             return True  # checked before this step's stop check
-        self.phase_state.settle_losses()
+        self.phases.settle_losses()
         plan, step = pl_module.plan, trainer.global_step - 1  # the step that just ended
-        bad = self.phase_state.nonfinite
+        bad = self.phases.nonfinite
         if bad is not None:
             task = JOINT if pl_module.hparams.mode == JOINT else plan.tasks[plan.local_tasks[bad.slot]]
             what, step = bad.nonfinite_part(), bad.step
@@ -275,7 +283,7 @@ class MimaCheckpoint(Checkpoint):
         step = trainer.global_step
         phase = plan.phase_of(step)
         checkpoint["mima"] = {"run": self.run_start.identity, "rank": trainer.global_rank, "phase": phase, "rng": capture_rng(),
-                              "phase_state": self.phase_state.state_dict()}
+                              "phase_state": self.phases.state_dict()}
         if plan.batched:  # model.batch_tasks: the state holds the stacked models (MimaModule checks a resume's)
             checkpoint["mima"]["batch_tasks"] = True
         inline = pl_module.hparams.mode == JOINT or not self._compact(trainer, pl_module, checkpoint)
@@ -302,39 +310,47 @@ class MimaCheckpoint(Checkpoint):
     def _compact(self, trainer, pl_module, checkpoint: dict) -> bool:
         """Replace the tensors that live in immutable files by references (writing those files once);
         True if the working encoder and optimiser state were among them (a segment boundary)."""
-        plan, layout, rank, phases = pl_module.plan, pl_module.layout, trainer.global_rank, self.phase_state
-        leader, last = layout.is_leader(rank), plan.iterations - 1
-        state = checkpoint["mima"]["phase_state"]
-        avg_file = self.files.average(phases.avg_phase)
-        self._ensure(avg_file, trainer.is_global_zero, ("average", 0), phases.avg)
-        state["avg"] = reference(self.files, avg_file, "state")
-        if phases.outer_momentum:  # the same on every process, like the average: written once, by process 0
-            momentum_file = self.files.outer_momentum(phases.avg_phase)
-            self._ensure(momentum_file, trainer.is_global_zero, ("outer_momentum", 0), phases.outer_momentum)
-            state["outer_momentum"] = reference(self.files, momentum_file, "state")
-        for slot, weights in phases.segment_ends.items():
-            task = plan.tasks[plan.local_tasks[slot]]
-            file = self.files.segment(phases.segment_phase, task, phases.segment_phase == last)
-            self._ensure(file, leader, ("segment", slot), weights)
-            state["segment_ends"][slot] = reference(self.files, file, "state")
-        for slot, moments in phases.task_moments.items():
-            task = plan.tasks[plan.local_tasks[slot]]
-            file = self.files.moments(phases.moments_phase[slot], task)
-            self._ensure(file, leader, ("moments", slot), flatten_moments(moments))
-            state["task_moments"][slot] = reference(self.files, file, "moments")
-        boundary = phases.boundary(plan, trainer.global_step)
+        state = checkpoint["mima"]["phase_state"]  # the sync callback's state, as its view gave it
+        average_keys = set(state["avg"])
+        self._reference_phase_files(trainer, pl_module, state)
+        boundary = self.phases.boundary(pl_module.plan, trainer.global_step)
         if boundary is None:
             return False  # inside a segment: the working encoder and its moments are saved inline
         weights_ref, moments_ref = boundary
         source = state["avg"] if weights_ref == "avg" else state["segment_ends"][weights_ref]
         encoder = {k[len("encoder."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}
-        referenced = set(phases.avg) if weights_ref == "avg" else set(encoder)
+        referenced = average_keys if weights_ref == "avg" else set(encoder)
         others = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("encoder.")}
         extra = {f"encoder.{k}": v for k, v in encoder.items() if k not in referenced} | others
         checkpoint["state_dict"] = {**source, "prefix": "encoder.", "extra": extra}
         optimizer = checkpoint["optimizer_states"][0]
         optimizer["state"] = state["task_moments"][moments_ref] if moments_ref is not None else {}
         return True
+
+    def _reference_phase_files(self, trainer, pl_module, state: dict) -> None:
+        """In `state` (a phase state's state_dict), replace the average, the outer momentum, each
+        slot's end weights and kept moments by a reference to the immutable file holding them,
+        queueing each file once, on the process responsible for it."""
+        plan, files = pl_module.plan, self.files
+        leader, last = pl_module.layout.is_leader(trainer.global_rank), plan.iterations - 1
+        avg_file = files.average(state["avg_phase"])
+        self._ensure(avg_file, trainer.is_global_zero, ("average", 0), state["avg"])
+        state["avg"] = reference(files, avg_file, "state")
+        if state["outer_momentum"]:  # the same on every process, like the average: written once, by process 0
+            momentum_file = files.outer_momentum(state["avg_phase"])
+            self._ensure(momentum_file, trainer.is_global_zero, ("outer_momentum", 0), state["outer_momentum"])
+            state["outer_momentum"] = reference(files, momentum_file, "state")
+        segment_phase = state["segment_phase"]
+        for slot, weights in list(state["segment_ends"].items()):
+            task = plan.tasks[plan.local_tasks[slot]]
+            file = files.segment(segment_phase, task, segment_phase == last)
+            self._ensure(file, leader, ("segment", slot), weights)
+            state["segment_ends"][slot] = reference(files, file, "state")
+        for slot, moments in list(state["task_moments"].items()):
+            task = plan.tasks[plan.local_tasks[slot]]
+            file = files.moments(state["moments_phase"][slot], task)
+            self._ensure(file, leader, ("moments", slot), flatten_moments(moments))
+            state["task_moments"][slot] = reference(files, file, "moments")
 
     def _ensure(self, path: Path, responsible: bool, buffer: BufferName, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue a file of PhaseState tensors once, on the process responsible for it; the others only
@@ -343,7 +359,7 @@ class MimaCheckpoint(Checkpoint):
         `buffer` is not refilled before the file is written."""
         if not responsible or path in self.queued or self.writer.pending(path) or path.is_file():
             return  # (pending: a final task model the sync callback queued on the same writer)
-        host = self.phase_state.host
+        host = self.phases.host
         if any(value.device.type != "cpu" for value in tensors.values()):
             tensors = host.fill(buffer, tensors)
         self._write(path, state_writer(tensors, ready=host.ready()))

@@ -263,7 +263,7 @@ class MimaModule(L.LightningModule):
         self._check_slots(slots, position)
         logits = classify(self.encoder, self.head(position.slot), images)
         # train/loss/<task> is logged by MimaSyncCallback once per optimiser step, read from the device
-        # at logging intervals; the progress bar shows the last value read (PhaseState.shown_loss)
+        # at logging intervals; the progress bar shows the last value read (PhaseView.shown_loss)
         loss = F.cross_entropy(logits, labels)
         mu = self.hparams.proximal_mu
         if not mu:
@@ -373,8 +373,9 @@ class MimaModule(L.LightningModule):
     # ------------------------------------------------------------------------- callbacks
     def configure_callbacks(self):
         """What a plain Trainer needs to run MIMA. `mima fit` passes its own sync (or joint) callback,
-        sharing the phase state with its checkpoints; then only the progress bar is added here. The
-        bar shows the loss the sync callback's phase state holds (none in the joint baseline)."""
+        with the checkpoint callback that reads its phase state; then only the progress bar is added
+        here, after the sync callback (Lightning appends these to the Trainer's), showing the loss
+        the sync callback's view of its phase state holds (none in the joint baseline)."""
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
         from mima.training.joint import JointFinalCallback
@@ -390,12 +391,12 @@ class MimaModule(L.LightningModule):
             else:
                 sync = MimaSyncCallback(sync_merge=SyncMerge(self.hparams.sync_merge, self.hparams.sync_merge_args))
                 callbacks.append(sync)
-        phase_state = sync.phases if sync is not None else None
+        phases = sync.phase_view() if sync is not None else None
         bar = type(self.trainer.progress_bar_callback)  # the default bars are replaced, not the user's own
         if bar is TQDMProgressBar:
-            callbacks.append(MimaProgressBar(phase_state))
+            callbacks.append(MimaProgressBar(phases))
         elif bar is RichProgressBar:
-            callbacks.append(MimaRichProgressBar(phase_state))
+            callbacks.append(MimaRichProgressBar(phases))
         return callbacks
 
 

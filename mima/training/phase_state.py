@@ -1,13 +1,14 @@
-"""Where one process stands in MIMA's phases: the one owner of that state.
+"""Where one process stands in MIMA's phases.
 
 `PhaseState` holds what a process carries from one task segment to the next and across a sync:
 the phase's start point `avg`, each of its task slots' end weights of the running phase, the
 kept AdamW moments (`optimizer_state: keep`), the outer momentum of `sync_merge: outer_nesterov`,
 the per-slot loss sums, and whether a sync is pending (a stop came at a sync, before it ran).
-`mima fit` makes one per process and hands it to the two callbacks that need it: MimaSyncCallback
-changes it, MimaCheckpoint only serialises and restores it. Neither callback reads the other. The
-progress bar (mima.training.progress) reads the newest logged loss from it, which the host has read
-anyway (`shown_loss`).
+Its one owner is MimaSyncCallback (mima.training.sync), which makes it, changes it and restores it
+from a saved state. The other callbacks read it through the view that callback hands out
+(mima.training.phase_view): the checkpoint callback what a save holds (`state_dict`, the layout
+of mima's "phase_state" section of every saved state), the progress bars the newest logged loss,
+which the host has read anyway (`shown_loss`), the tracker forwarding whether a sync took place.
 
 The end weights and kept moments live in host memory, in `HostBuffers`: one buffer per (kind,
 slot), reserved before the first step (`PhaseState.reserve`) and refilled at every segment end
@@ -286,6 +287,8 @@ class StepLosses:
 
 @dataclass
 class PhaseState:
+    """One process's phase state (see the module docstring), held by its MimaSyncCallback alone."""
+
     avg: StateDict = field(default_factory=dict)  # the running phase's start point (on the device)
     avg_phase: int = -1  # `avg` is the average after the sync ending this phase (-1: theta_0)
     segment_ends: dict[int, StateDict] = field(default_factory=dict)  # slot -> end weights (host buffers)

@@ -20,9 +20,13 @@ end weights are the final task models, which the process's background writer wri
 checkpoints use), not the training thread. A process with one
 task keeps its moments in the optimiser from one segment to the next: the copy is for the
 checkpoint, nothing is loaded back. All of this is the process's PhaseState
-(mima.training.phase_state), which `mima fit` hands to this callback and to the checkpoint
-callback: this one changes it, the other stores it (each part tagged with the phase it belongs to,
-as immutable per-(task, phase) files) and restores it on resume.
+(mima.training.phase_state), which this callback makes, changes and restores from a saved state
+(on_load_checkpoint); nobody else holds it. The others read it through the view it hands out
+(`phase_view`, mima.training.phase_view): the checkpoint callback stores what it holds (each part
+tagged with the phase it belongs to, as immutable per-(task, phase) files), the progress bars show
+its loss, the tracker forwarding sends a phase's rows once its sync ran. They read in a hook what
+this callback's same hook has just changed, so they come after it in trainer.callbacks, which each
+checks in its `setup`.
 
 Processes reach a sync after different numbers of steps when they own different numbers of tasks;
 before entering it they agree through the stop store whether to sync or to stop
@@ -58,6 +62,7 @@ from mima.training.averaging import average_phase, gather_task_values
 from mima.training.background_writer import BackgroundWriter
 from mima.training.divergence import divergence_report, nonfinite_key
 from mima.training.phase_state import PhaseState, StepWatch, adamw_moment_specs
+from mima.training.phase_view import PhaseView
 from mima.training.preemption import StopAgreement
 from mima.training.sync_deadline import StepClock, lag_steps, sync_allowance_s
 from mima.training.sync_merge import SyncMerge
@@ -111,8 +116,10 @@ def _logging_due(every: int, step: int) -> bool:
 class MimaSyncCallback(Callback):
     """Averaging phases, optimiser resets, diagnostics and final checkpoints for MimaModule.
 
+    Owns the process's PhaseState (`phases`): made here, changed here, restored here; the other
+    callbacks read it through `phase_view()`.
+
     Args:
-        phase_state: the process's PhaseState, which this callback changes (default: a new one).
         stop: the process's side of the stop protocol (default: one that never stops, for a plain
             Trainer that saves no state).
         before_sync: called before the process waits for the others at a sync (`mima fit` passes
@@ -124,10 +131,10 @@ class MimaSyncCallback(Callback):
             they are on disk (on_train_end waits for them).
     """
 
-    def __init__(self, phase_state: PhaseState | None = None, stop: StopAgreement | None = None,
-                 before_sync: Callable[[], None] | None = None, sync_merge: SyncMerge | None = None,
-                 writer: BackgroundWriter | None = None) -> None:
-        self.phases = phase_state if phase_state is not None else PhaseState()
+    def __init__(self, stop: StopAgreement | None = None, before_sync: Callable[[], None] | None = None,
+                 sync_merge: SyncMerge | None = None, writer: BackgroundWriter | None = None) -> None:
+        self.phases = PhaseState()
+        self.view = PhaseView(self.phases, owner=self)
         self.writer = writer if writer is not None else BackgroundWriter()
         self.owns_writer = writer is None  # closed here at the end; a given one, by whoever gave it
         self.stop = stop
@@ -139,7 +146,19 @@ class MimaSyncCallback(Callback):
         # the slot whose kept moments the optimiser holds as they were kept (at that slot's segment end)
         self.optimizer_holds: int | None = None
 
+    def phase_view(self) -> PhaseView:
+        """What the other callbacks read of the phase state (mima.training.phase_view); each checks in
+        its `setup` that it comes after this callback."""
+        return self.view
+
     # ----------------------------------------------------------------------------- start
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """The phase state of the saved state resumed (the part of mima's section MimaCheckpoint writes)."""
+        saved = checkpoint.get("mima")
+        if saved is not None:
+            self.phases.load_state_dict(saved["phase_state"])
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stop is None:

@@ -44,7 +44,7 @@ from typing_extensions import override
 from mima.core.bounded_json import read_text_bounded
 from mima.core.run_folder import RunFolder
 from mima.training.averaging import distributed_world
-from mima.training.phase_state import PhaseState
+from mima.training.phase_view import PhaseView
 from mima.training.rank_logger import METRICS_FILE, read_metrics_csv
 
 MAX_OUTBOX_BYTES = 1 << 30  # a run's rows since its trackers last finished (tens of MB for a long run)
@@ -210,17 +210,26 @@ BUFFERED_TRACKERS = frozenset({"WandbLogger"})
 
 
 class TrackerForwarding(Callback):
-    """Sends every process's rows to the trackers from rank 0, after each sync and at the end."""
+    """Sends every process's rows to the trackers from rank 0, after each sync and at the end.
+    `phases`: the sync callback's view of the phase state (a sync has happened when its avg_phase
+    moves; None: the joint baseline, no syncs). It comes after the sync callback, so that a phase's
+    rows go once its sync has taken place and the run's last rows once it has logged them (checked
+    in `setup`)."""
 
-    def __init__(self, trackers: Sequence[Logger], relay: TrackerRelay, phases: PhaseState | None, run_dir: Path,
+    def __init__(self, trackers: Sequence[Logger], relay: TrackerRelay, phases: PhaseView | None, run_dir: Path,
                  hyperparameters: Mapping[str, Any]) -> None:
         self.trackers = list(trackers)
         self.relay = relay
-        self.phases = phases  # read only: a sync has happened when its avg_phase moves
+        self.phases = phases
         self.run = RunFolder(run_dir)
         self.hyperparameters = dict(hyperparameters)
         self.forwarded_phase = -1
         self.record: dict[str, dict[str, Any]] = {}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.phases is not None:
+            self.phases.check_order(trainer.callbacks, self)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

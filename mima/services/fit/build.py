@@ -2,7 +2,9 @@
 (build_trainer): the process made ready (CPU threads, determinism), every check that can fail on the
 user's input before anything is built (the run folder, a changed task folder, the process layout and
 the checkpoint to resume, the plan printed at start), then the strategy, the loggers and mima's
-callbacks, in the order they must run. mima.services.fit.run fits it."""
+callbacks, in the order they must run: the sync callback, which owns the phase state, before those
+that read it through its view (mima.training.phase_view; each of them checks that order in its
+`setup`). mima.services.fit.run fits it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
 
 from mima.config.config_changes import ConfigChanges, compare_configs, refuse_changes
 from mima.config.defaults import AUTO, NUM_NODES_DEFAULT
@@ -29,7 +31,7 @@ from mima.training.background_writer import BackgroundWriter
 from mima.training.checkpoint_callback import MimaCheckpoint
 from mima.training.determinism import prepare_deterministic
 from mima.training.joint import JointFinalCallback
-from mima.training.phase_state import PhaseState
+from mima.training.phase_view import PhaseView
 from mima.training.plan_choices import Choice, choose_checkpoint_every
 from mima.training.preemption import StopAgreement
 from mima.training.progress import MimaLogLines
@@ -113,36 +115,42 @@ class FitRun:
         if logger_setting in (None, True) or trackers:  # the per-process files always; trackers through the relay
             own_logs = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(global_rank()))
             arguments["logger"] = own_logs + ([relay] if trackers else [])
-        # One PhaseState per process, owned here: the sync callback changes it, the checkpoints store it.
-        phases = PhaseState()
         # one background writer for the checkpoints and the final task models, in one order: a state
         # that refers to a final file is never on disk before it (the checkpoint callback closes it)
         writer = BackgroundWriter() if saving else None
+        phase_callback = self.phase_callback(stop, writer)
+        phases = phase_callback.phase_view() if isinstance(phase_callback, MimaSyncCallback) else None
         if saving:
-            self.checkpoint = MimaCheckpoint(phases, stop, self.run_start, every, keep=self.options.keep_checkpoints,
-                                             writer=writer)
+            self.checkpoint = MimaCheckpoint(phases or PhaseView.without_phases(), stop, self.run_start, every,
+                                             keep=self.options.keep_checkpoints, writer=writer)
         else:
             arguments["enable_checkpointing"] = False
-        arguments["callbacks"] = self.callbacks(phases, stop, writer, trackers, relay)
+        arguments["callbacks"] = self.callbacks(phase_callback, phases, trackers, relay)
         return arguments
 
-    def callbacks(self, phases: PhaseState, stop: StopAgreement, writer: BackgroundWriter | None, trackers: list,
+    def phase_callback(self, stop: StopAgreement, writer: BackgroundWriter | None) -> Callback:
+        """The callback that ends segments and phases and owns the phase state (MimaSyncCallback); the
+        joint baseline's, which has no phases (JointFinalCallback)."""
+        if self.model.hparams.mode == JOINT:
+            return JointFinalCallback()
+        hparams = self.model.hparams
+        sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
+        return MimaSyncCallback(stop, sync_merge=sync_merge, writer=writer)
+
+    def callbacks(self, phase_callback: Callback, phases: PhaseView | None, trackers: list,
                   relay: TrackerRelay) -> list:
-        """The config's callbacks, then mima's, in the order they must run."""
-        joint = self.model.hparams.mode == JOINT
-        if joint:
-            mima_callbacks = [JointFinalCallback()]
-        else:
-            hparams = self.model.hparams
-            sync_merge = SyncMerge(hparams.sync_merge, hparams.sync_merge_args, len(self.datamodule.task_names))
-            mima_callbacks = [MimaSyncCallback(phases, stop, sync_merge=sync_merge, writer=writer)]
+        """The config's callbacks, then mima's, in the order they must run: the phase callback first,
+        then what reads its phase state (`phases`: its view, None without phases), each of which
+        refuses another order in its `setup`. The checkpoint callback comes last (Lightning moves
+        every Checkpoint there anyway)."""
         user_callbacks = list(self.settings.trainer_arguments.get("callbacks") or [])
-        # after the sync callback, so that a segment's line shows the loss it has just read
-        log_lines = [MimaLogLines(None if joint else phases)] if wants_log_lines(self.settings.trainer, user_callbacks) else []
-        # after the sync callback: it sends a phase's rows once the sync has taken place
-        forwarding = [TrackerForwarding(trackers, relay, None if joint else phases, self.run_dir,
+        # a segment's line shows the loss the sync callback has just read
+        log_lines = [MimaLogLines(phases)] if wants_log_lines(self.settings.trainer, user_callbacks) else []
+        # a phase's rows go once the sync has taken place
+        forwarding = [TrackerForwarding(trackers, relay, phases, self.run_dir,
                                         self.settings.config.as_dict())] if trackers else []
-        return user_callbacks + mima_callbacks + forwarding + log_lines + ([self.checkpoint] if self.checkpoint else [])
+        checkpoint = [self.checkpoint] if self.checkpoint else []
+        return user_callbacks + [phase_callback] + forwarding + log_lines + checkpoint
 
     def trackers(self, logger_setting: Any) -> list:
         """The experiment trackers `trainer.logger` names (mima.training.trackers), built to continue
