@@ -16,6 +16,11 @@ class ModelOptions:
     base: Path | None  # theta_0; None: the run folder's
     config: Path | None  # the tasks, with .safetensors files
 
+    @property
+    def read_paths(self) -> list[Path]:
+        """Every path the analysis reads (its output never goes into their run folders)."""
+        return [*self.models, *([self.base] if self.base is not None else []), *([self.config] if self.config is not None else [])]
+
 
 @dataclass(frozen=True)
 class OutputOptions:

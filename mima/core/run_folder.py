@@ -137,11 +137,15 @@ class RunFolder:
         (each process trains its own tasks, so each logs their losses)."""
         return self.logs_dir if rank == 0 else self.logs_dir / f"rank-{rank:05d}"
 
+    @property
+    def analysis_root(self) -> Path:
+        return self.path / "analysis"
+
     def analysis_dir(self, name: str) -> Path:
-        return self.path / "analysis" / name
+        return self.analysis_root / name
 
     def analysis_dirs(self) -> list[Path]:
-        return sorted(p for p in (self.path / "analysis").glob("*") if p.is_dir())
+        return sorted(p for p in self.analysis_root.glob("*") if p.is_dir())
 
     @property
     def evaluation(self) -> SweepFolder:
@@ -154,6 +158,24 @@ class RunFolder:
         """What `mima fit` writes (and `--overwrite` removes)."""
         return [self.config_file, self.config_changes_file, self.data_listing_file, self.pretrained_file,
                 self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
+
+    @property
+    def mlflow_store(self) -> Path:
+        """The MLflow store a run's tracker logs to unless its config names one (mima.training.trackers)."""
+        return self.path / "mlruns"
+
+    def own_paths(self) -> list[Path]:
+        """What the run itself consists of, which its fit alone writes and every other command reads:
+        no command's output goes there (mima.core.run_outputs). The places a run keeps for what is made
+        from it (analysis/, evaluation/, the report pages) are not among them."""
+        return [*self.training_outputs(), self.lock_file, self.stop_file, self.tracker_file, self.tracker_outbox_file,
+                self.mlflow_store, *self.replaced_runs()]
+
+    def is_run(self) -> bool:
+        """Whether the folder holds a run: its config.yaml beside what a fit writes from its start
+        (its lock, theta_0, checkpoints/, final/ or metrics.jsonl)."""
+        markers = (self.lock_file, self.pretrained_file, self.checkpoints_dir, self.final_dir, self.metrics_file)
+        return self.config_file.is_file() and any(marker.exists() for marker in markers)
 
     # ---------------------------------------------------------------------------- state
     def has_metrics(self) -> bool:
@@ -216,7 +238,11 @@ class RunFolder:
     # ---------------------------------------------------------------------------- write
     def check_target(self, resuming: bool, overwrite: bool) -> list[Path]:
         """Refuse to clobber an earlier run unless resuming it or asked to overwrite it; return what
-        `prepare` would remove. Changes nothing, so it can run before every other check."""
+        `prepare` would remove. Changes nothing, so it can run before every other check. A run
+        is never started over another run folder's own files (its final/, its checkpoints/, ...)."""
+        from mima.core.run_outputs import refuse_output_on_runs  # it reads run folders through this module
+
+        refuse_output_on_runs("--out", self.path)
         earlier = [path for path in self.training_outputs() if path.exists() or path.is_symlink()]
         if earlier and not resuming and not overwrite:
             raise MimaError(
@@ -288,6 +314,15 @@ class RunFolder:
             return
         kept = [json.dumps(r) for r in self.phase_records() if r["phase"] <= completed_phases]
         write_text_atomic(self.metrics_file, "".join(line + "\n" for line in kept))
+
+
+def enclosing_run(path: Path) -> RunFolder | None:
+    """The run folder `path` is or lies in (the nearest, of the path as given: resolve it first to
+    see through symlinks and `..`); None when it lies in none."""
+    for folder in (path, *path.parents):
+        if RunFolder(folder).is_run():
+            return RunFolder(folder)
+    return None
 
 
 def phase_record_problem(record: Mapping) -> str | None:
