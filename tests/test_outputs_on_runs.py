@@ -51,11 +51,12 @@ MERGE = ["merge", "--method", "task_arithmetic"]
 COMMAND_CASES = {
     "merge-over-config": ([*MERGE, "--models", RUN, "--output", f"{RUN}/config.yaml", "--overwrite"],
                           "would write over config.yaml of the run folder"),
-    "merge-over-config-of-another-run": ([*MERGE, *OUTSIDE_MODELS, "--output", f"{RUN}/config.yaml", "--overwrite"],
-                                         "would write over config.yaml of the run folder"),
+    "merge-over-config-of-another-run": (
+        [*MERGE, *OUTSIDE_MODELS, "--output", f"{RUN}/config.yaml", "--overwrite"],
+        "would write over config.yaml of the run folder"),
     "merge-over-pretrained": ([*MERGE, *OUTSIDE_MODELS, "--output", f"{RUN}/pretrained.safetensors", "--overwrite"],
                               "would write over pretrained.safetensors of the run folder"),
-    "merge-into-final": ([*MERGE, "--models", f"{RUN}/final/rot90.safetensors", f"{RUN}/final/mirror.safetensors",
+    "merge-into-final": ([*MERGE, "--models", *(f"{RUN}/final/{task}.safetensors" for task in TASKS),
                           "--base", f"{RUN}/pretrained.safetensors", "--output", f"{RUN}/final/merged.safetensors"],
                          "would write over final/ of the run folder"),
     "merge-into-the-input-run": ([*MERGE, "--models", RUN, "--output", f"{RUN}/merged.safetensors"],

@@ -19,7 +19,7 @@ class ModelOptions:
     @property
     def read_paths(self) -> list[Path]:
         """Every path the analysis reads (its output never goes into their run folders)."""
-        return [*self.models, *([self.base] if self.base is not None else []), *([self.config] if self.config is not None else [])]
+        return [*self.models, *(path for path in (self.base, self.config) if path is not None)]
 
 
 @dataclass(frozen=True)

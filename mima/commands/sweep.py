@@ -26,7 +26,6 @@ from mima.core.bounded_json import read_json
 from mima.core.plan import check_budget
 from mima.core.names import JOINT
 from mima.core.run_folder import RunFolder, SweepFolder
-from mima.core.run_outputs import refuse_output_on_runs
 from mima.services.evaluate.runs import data_free_per_model, evaluate_runs
 from mima.evaluation.results import ModelResult
 from mima.config.model import ModelSettings
@@ -68,7 +67,6 @@ def run_sweep(
     if joint and isinstance(steps, Mapping):
         raise MimaError("model.steps: the joint baseline trains every task for one S; per-task budgets need --no-joint")
     methods = data_free_per_model(merges)
-    refuse_output_on_runs("--out", out_dir)  # never over a run folder's own files
     sweep = SweepFolder(out_dir)
     # a sweep over seeds replaces its own table when run again (e.g. with one more seed); any other
     # table in the folder is refused without `overwrite`, as always

@@ -48,7 +48,7 @@ import torch
 
 from mima.core.bounded_yaml import read_bounded_yaml
 from mima.core.errors import MimaError
-from mima.core.bounded_json import read_json, read_json_lines
+from mima.core.bounded_json import read_json, read_json_lines, short_json
 from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.names import JOINT  # the joint baseline's one final model: final/joint.safetensors
 from mima.core.run_lock import LOCK_NAME
@@ -331,13 +331,13 @@ def phase_record_problem(record: Mapping) -> str | None:
     infinite (a diverged phase); other keys are free."""
     for key in ("phase", "step"):
         if not _is_whole(record.get(key)) or record[key] < 0:
-            return f"has no whole-number {key!r} (found {_short(record.get(key))})"
+            return f"has no whole-number {key!r} (found {short_json(record.get(key))})"
     tasks = record.get("tasks")
     if not isinstance(tasks, list) or not all(isinstance(task, str) for task in tasks):
-        return f"has no list of task names 'tasks' (found {_short(tasks)})"
+        return f"has no list of task names 'tasks' (found {short_json(tasks)})"
     for key in ("mean_cos_tau", "mean_cos_delta"):
         if not _is_number(record.get(key)):
-            return f"has no number {key!r} (found {_short(record.get(key))})"
+            return f"has no number {key!r} (found {short_json(record.get(key))})"
     for key in ("cos_tau", "cos_delta"):  # optional: `mima analyze cosine` says when they are missing
         matrix = record.get(key, [[0.0] * len(tasks)] * len(tasks))
         if not (isinstance(matrix, list) and len(matrix) == len(tasks) and all(
@@ -345,7 +345,7 @@ def phase_record_problem(record: Mapping) -> str | None:
             return f"has no {len(tasks)} x {len(tasks)} matrix of numbers {key!r}"
     loss = record.get("loss")
     if not isinstance(loss, dict) or not all(_is_number(value) for value in loss.values()):
-        return f"has no numbers per task in 'loss' (found {_short(loss)})"
+        return f"has no numbers per task in 'loss' (found {short_json(loss)})"
     return None
 
 
@@ -355,11 +355,6 @@ def _is_whole(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _short(value: object) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -444,7 +439,11 @@ class SweepFolder:
         return self.has_results() and self.runs_dir.is_dir()
 
     def prepare(self, overwrite: bool) -> None:
-        """Refuse to replace an earlier results table unless asked; create the folder."""
+        """Refuse a folder on a run folder's own files, and to replace an earlier results table unless
+        asked; create the folder."""
+        from mima.core.run_outputs import refuse_output_on_runs  # it reads run folders through this module
+
+        refuse_output_on_runs("--out", self.path)
         if not overwrite:
             refuse_overwrite([self.path / name for name in self.RESULT_FILES], what=f"--out {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,8 @@ def refuse_own_path(option: str, output: PathLike, place: Path) -> None:
                             f"({FIT_ONLY}); choose an output outside it")
 
 
-def refuse_inside(option: str, output: PathLike, place: Path, shown: Path, run: RunFolder, kept: KeptPlaces | None) -> None:
+def refuse_inside(option: str, output: PathLike, place: Path, shown: Path, run: RunFolder,
+                  kept: KeptPlaces | None) -> None:
     """An output inside an input's run folder, outside the places kept for this command's outputs."""
     if not within(place, run.path):
         return

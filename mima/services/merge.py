@@ -62,6 +62,7 @@ from mima.merging.catalogue import HYPERPARAMETERS, check_method_name
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
 from mima.merging.registry import DataFreeMerge, MergeMethod, PerTaskMerge
 from mima.merging.selection import Selection, choose
+from mima.services.arguments import checked_state_dicts
 from mima.services.merge_request import SELECT_ON, MergeRequest
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def merged_state(request: MergeRequest, models: Sequence[StateDictOrFile] | None
             base = dict(checked.base.items()) if checked.base is not None else None
     else:
         models, base = [state_dict_of(model) for model in models], state_dict_of(base) if base is not None else None
+        checked_state_dicts(models, base)  # as open_inputs checks files: keys, shapes, dtypes, weights
     refuse_without_config(method, request.select_on, config)
     pool = judging_pool(config, len(models), request.cache) if config is not None else None
     return dict(choose(method.on(device), models, base, pool, given, request.select_on, allow).merged)
