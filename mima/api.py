@@ -54,17 +54,19 @@ def merge(models: PathLike | Sequence[PathLike | StateDict], method: str, base: 
     same checks, the same atomic file, and its results beside it when a config judges the merge);
     without it nothing is written.
     """
+    from mima.services.arguments import merge_inputs_of, optional_path_of, switch_of, text_of
     from mima.services.merge import check_request, merged_state, run_merge
     from mima.services.merge_request import MergeRequest
 
-    listed = [models] if isinstance(models, (str, os.PathLike)) else list(models)
+    listed, base = merge_inputs_of(models, base)  # each of a type the merge takes, else one line
     in_memory = any(isinstance(item, Mapping) for item in [*listed, base])
-    request = MergeRequest(method=method, models=() if in_memory else tuple(Path(item) for item in listed),
-                           output=None if output is None else Path(output),
-                           base=None if in_memory or base is None else Path(base),
-                           config=None if config is None else Path(config), select_on=select_on, overwrite=overwrite,
-                           allow_non_finite=allow_non_finite, device=device, cache=cache,
-                           hyperparameters=dict(hyperparameters))
+    request = MergeRequest(method=text_of(method), models=() if in_memory else tuple(listed),
+                           output=optional_path_of("output", output), base=None if in_memory else base,
+                           config=optional_path_of("config", config),
+                           select_on=None if select_on is None else text_of(select_on),
+                           overwrite=switch_of("overwrite", overwrite),
+                           allow_non_finite=switch_of("allow_non_finite", allow_non_finite), device=text_of(device),
+                           cache=text_of(cache), hyperparameters=dict(hyperparameters))
     if request.output is not None:
         if in_memory:
             check_request(request)  # a misspelling is named first, as for every call
@@ -85,9 +87,11 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
     """`mima evaluate RUNS --out OUT` in this process (one device): writes OUT's results files and cells,
     as the command does, and returns results.json's rows (`load_results(out)`). `merges`: the data-free
     strategies compared (default: the command's); select=False is --no-select; `cache`: --cache (auto, on, off)."""
+    from mima.services.arguments import switch_of
     from mima.services.evaluate.options import evaluate_options
 
-    options = evaluate_options(runs, out, merges=merges, no_select=not select, overwrite=overwrite, precision=precision,
+    no_select = not switch_of("select", select)
+    options = evaluate_options(runs, out, merges=merges, no_select=no_select, overwrite=overwrite, precision=precision,
                                val_examples=val_examples, skip_unfinished=skip_unfinished, merge_device=merge_device,
                                num_workers=num_workers, cache=cache)  # refused as the command refuses its words
     from mima.services.evaluate.runs import run_evaluation
@@ -99,13 +103,14 @@ def evaluate(runs: PathLike | Sequence[PathLike], out: PathLike, *, merges: Sequ
 def load_results(folder: PathLike) -> list[dict[str, Any]]:
     """The rows of a results folder's results.json (`mima evaluate`, `mima demo`, a sweep), as plain
     dicts: `pandas.DataFrame(mima.load_results(folder))` is the table (docs/results.md names the fields)."""
-    from mima.core.bounded_json import read_json
     from mima.core.run_folder import SweepFolder
+    from mima.evaluation.results_files import read_result_rows
+    from mima.services.arguments import path_of
 
-    sweep = SweepFolder(Path(folder))
+    sweep = SweepFolder(path_of("folder", folder))
     if not sweep.results_json.is_file():
         raise MimaError(f"{folder}: no results.json (a folder that `mima evaluate --out` or `mima demo` wrote)")
-    return list(read_json(sweep.results_json, expect=list))
+    return read_result_rows(sweep)  # each row checked: a damaged one is one line naming it
 
 
 # ------------------------------------------------------------------------------------------- plan
@@ -139,8 +144,11 @@ def plan(config: PathLike | Mapping[str, Any], *, devices: int | None = None, nu
 @contextlib.contextmanager
 def _config_file(config: PathLike | Mapping[str, Any]):
     """A config given as a dict, written as the YAML file a command reads (removed afterwards)."""
+    from mima.services.arguments import config_of
+
+    config = config_of("config", config)  # a path, or a mapping YAML can hold: else one line
     if not isinstance(config, Mapping):
-        yield Path(config)
+        yield config
         return
     import yaml
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from mima.core.files import refuse_overwrite, write_error, write_json_atomic
 from mima.core.publish import publish_folder, remove_folders, stage_folder
 from mima.core.run_folder import RunFolder, SweepFolder
+from mima.core.run_outputs import refuse_output_on_runs
 
 
 class _Staged:
@@ -83,17 +84,20 @@ class _Shown(io.TextIOBase):
 
 
 def output_folder(out: Path | None, source: RunFolder | SweepFolder | None, name: str, files: Sequence[str],
-                  overwrite: bool, create: bool = True) -> Path:
+                  overwrite: bool, create: bool = True, *, inputs: Sequence[Path | None]) -> Path:
     """Resolve --out (default: the analysis folder of `source`, a run or sweep folder, else
-    analysis/<name> in the working directory) and refuse to replace earlier outputs unless
-    --overwrite; create the folder (with `create=False` the caller creates it once every check of its
-    inputs has passed, so that a mistake found late leaves no empty folder behind). Inside
+    analysis/<name> in the working directory), refuse an --out inside the run folder of one of
+    `inputs` (what the analysis reads) other than its analysis/ (mima.core.run_outputs), and refuse to
+    replace earlier outputs unless --overwrite; create the folder (with `create=False` the caller
+    creates it once every check of its inputs has passed, so that a mistake found late leaves no
+    empty folder behind). Inside
     `staged_outputs` (`mima analyze`), the folder returned is a temporary one that becomes the output
     folder's files at the end."""
     if out is not None:
         folder = Path(out)
     else:
         folder = (source if source is not None else RunFolder(Path())).analysis_dir(name)
+    refuse_output_on_runs("--out", folder, inputs, kept=lambda run: [run.analysis_root])
     if not overwrite:
         refuse_overwrite([folder / file for file in files], what=f"--out {folder}", hint="pass --overwrite")
     if _SESSIONS:

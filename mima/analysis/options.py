@@ -16,6 +16,11 @@ class ModelOptions:
     base: Path | None  # theta_0; None: the run folder's
     config: Path | None  # the tasks, with .safetensors files
 
+    @property
+    def read_paths(self) -> list[Path]:
+        """Every path the analysis reads (its output never goes into their run folders)."""
+        return [*self.models, *(path for path in (self.base, self.config) if path is not None)]
+
 
 @dataclass(frozen=True)
 class OutputOptions:

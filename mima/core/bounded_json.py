@@ -75,3 +75,9 @@ def read_json_lines(path: str | os.PathLike, check: Callable[[dict], str | None]
             raise MimaError(f"{path}: line {number} {why}")
         records.append(record)
     return records
+
+
+def short_json(value: object) -> str:
+    """A record's value as a message shows it: its JSON, cut to 40 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

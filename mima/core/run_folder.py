@@ -48,7 +48,7 @@ import torch
 
 from mima.core.bounded_yaml import read_bounded_yaml
 from mima.core.errors import MimaError
-from mima.core.bounded_json import read_json, read_json_lines
+from mima.core.bounded_json import read_json, read_json_lines, short_json
 from mima.core.files import refuse_overwrite, write_json_atomic, write_text_atomic
 from mima.core.names import JOINT  # the joint baseline's one final model: final/joint.safetensors
 from mima.core.run_lock import LOCK_NAME
@@ -137,11 +137,15 @@ class RunFolder:
         (each process trains its own tasks, so each logs their losses)."""
         return self.logs_dir if rank == 0 else self.logs_dir / f"rank-{rank:05d}"
 
+    @property
+    def analysis_root(self) -> Path:
+        return self.path / "analysis"
+
     def analysis_dir(self, name: str) -> Path:
-        return self.path / "analysis" / name
+        return self.analysis_root / name
 
     def analysis_dirs(self) -> list[Path]:
-        return sorted(p for p in (self.path / "analysis").glob("*") if p.is_dir())
+        return sorted(p for p in self.analysis_root.glob("*") if p.is_dir())
 
     @property
     def evaluation(self) -> SweepFolder:
@@ -154,6 +158,24 @@ class RunFolder:
         """What `mima fit` writes (and `--overwrite` removes)."""
         return [self.config_file, self.config_changes_file, self.data_listing_file, self.pretrained_file,
                 self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
+
+    @property
+    def mlflow_store(self) -> Path:
+        """The MLflow store a run's tracker logs to unless its config names one (mima.training.trackers)."""
+        return self.path / "mlruns"
+
+    def own_paths(self) -> list[Path]:
+        """What the run itself consists of, which its fit alone writes and every other command reads:
+        no command's output goes there (mima.core.run_outputs). The places a run keeps for what is made
+        from it (analysis/, evaluation/, the report pages) are not among them."""
+        return [*self.training_outputs(), self.lock_file, self.stop_file, self.tracker_file, self.tracker_outbox_file,
+                self.mlflow_store, *self.replaced_runs()]
+
+    def is_run(self) -> bool:
+        """Whether the folder holds a run: its config.yaml beside what a fit writes from its start
+        (its lock, theta_0, checkpoints/, final/ or metrics.jsonl)."""
+        markers = (self.lock_file, self.pretrained_file, self.checkpoints_dir, self.final_dir, self.metrics_file)
+        return self.config_file.is_file() and any(marker.exists() for marker in markers)
 
     # ---------------------------------------------------------------------------- state
     def has_metrics(self) -> bool:
@@ -216,7 +238,11 @@ class RunFolder:
     # ---------------------------------------------------------------------------- write
     def check_target(self, resuming: bool, overwrite: bool) -> list[Path]:
         """Refuse to clobber an earlier run unless resuming it or asked to overwrite it; return what
-        `prepare` would remove. Changes nothing, so it can run before every other check."""
+        `prepare` would remove. Changes nothing, so it can run before every other check. A run
+        is never started over another run folder's own files (its final/, its checkpoints/, ...)."""
+        from mima.core.run_outputs import refuse_output_on_runs  # it reads run folders through this module
+
+        refuse_output_on_runs("--out", self.path)
         earlier = [path for path in self.training_outputs() if path.exists() or path.is_symlink()]
         if earlier and not resuming and not overwrite:
             raise MimaError(
@@ -290,19 +316,28 @@ class RunFolder:
         write_text_atomic(self.metrics_file, "".join(line + "\n" for line in kept))
 
 
+def enclosing_run(path: Path) -> RunFolder | None:
+    """The run folder `path` is or lies in (the nearest, of the path as given: resolve it first to
+    see through symlinks and `..`); None when it lies in none."""
+    for folder in (path, *path.parents):
+        if RunFolder(folder).is_run():
+            return RunFolder(folder)
+    return None
+
+
 def phase_record_problem(record: Mapping) -> str | None:
     """Why a metrics.jsonl record is not one phase's (None: it is): what its readers (the plots, the
     report, `mima analyze cosine`, a resume's trim) take from it. Losses and cosines may be NaN or
     infinite (a diverged phase); other keys are free."""
     for key in ("phase", "step"):
         if not _is_whole(record.get(key)) or record[key] < 0:
-            return f"has no whole-number {key!r} (found {_short(record.get(key))})"
+            return f"has no whole-number {key!r} (found {short_json(record.get(key))})"
     tasks = record.get("tasks")
     if not isinstance(tasks, list) or not all(isinstance(task, str) for task in tasks):
-        return f"has no list of task names 'tasks' (found {_short(tasks)})"
+        return f"has no list of task names 'tasks' (found {short_json(tasks)})"
     for key in ("mean_cos_tau", "mean_cos_delta"):
         if not _is_number(record.get(key)):
-            return f"has no number {key!r} (found {_short(record.get(key))})"
+            return f"has no number {key!r} (found {short_json(record.get(key))})"
     for key in ("cos_tau", "cos_delta"):  # optional: `mima analyze cosine` says when they are missing
         matrix = record.get(key, [[0.0] * len(tasks)] * len(tasks))
         if not (isinstance(matrix, list) and len(matrix) == len(tasks) and all(
@@ -310,7 +345,7 @@ def phase_record_problem(record: Mapping) -> str | None:
             return f"has no {len(tasks)} x {len(tasks)} matrix of numbers {key!r}"
     loss = record.get("loss")
     if not isinstance(loss, dict) or not all(_is_number(value) for value in loss.values()):
-        return f"has no numbers per task in 'loss' (found {_short(loss)})"
+        return f"has no numbers per task in 'loss' (found {short_json(loss)})"
     return None
 
 
@@ -320,11 +355,6 @@ def _is_whole(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _short(value: object) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -409,7 +439,11 @@ class SweepFolder:
         return self.has_results() and self.runs_dir.is_dir()
 
     def prepare(self, overwrite: bool) -> None:
-        """Refuse to replace an earlier results table unless asked; create the folder."""
+        """Refuse a folder on a run folder's own files, and to replace an earlier results table unless
+        asked; create the folder."""
+        from mima.core.run_outputs import refuse_output_on_runs  # it reads run folders through this module
+
+        refuse_output_on_runs("--out", self.path)
         if not overwrite:
             refuse_overwrite([self.path / name for name in self.RESULT_FILES], what=f"--out {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,12 @@ TensorMap = Mapping[str, torch.Tensor]
 
 def is_mergeable(tensor: torch.Tensor) -> bool:
     """Floating tensors are averaged and merged; integer ones (counters, masks) are copied."""
-    return torch.is_floating_point(tensor)
+    return is_mergeable_dtype(tensor.dtype)
+
+
+def is_mergeable_dtype(dtype: torch.dtype) -> bool:
+    """is_mergeable of a tensor of `dtype` (a file's header gives the dtype without the tensor)."""
+    return dtype.is_floating_point
 
 
 def check_compatible(named_state_dicts: Mapping[str, TensorMap]) -> list[str]:
@@ -52,6 +57,19 @@ def check_compatible(named_state_dicts: Mapping[str, TensorMap]) -> list[str]:
             if a.dtype != b.dtype:
                 raise MimaError(f"key '{key}': dtype {a.dtype} in {reference_label} but {b.dtype} in {label}")
     return keys
+
+
+def check_weights(named_state_dicts: Mapping[str, TensorMap]) -> None:
+    """Models that share their keys and dtypes (check_compatible) hold something to merge: at least
+    one tensor, and a floating-point one (integer tensors, counters and masks, are copied, not
+    merged: a model of integers alone would come back unchanged, without a word)."""
+    label, reference = next(iter(named_state_dicts.items()))
+    if len(reference) == 0:
+        raise MimaError(f"{label}: holds no tensors; give the models' state dicts (their weights by name)")
+    if not any(is_mergeable_dtype(tensor.dtype) for tensor in reference.values()):
+        dtypes = sorted({str(tensor.dtype).removeprefix("torch.") for tensor in reference.values()})
+        raise MimaError(f"{label}: holds no floating-point tensor ({', '.join(dtypes)} only); nothing to merge "
+                        "(integer tensors are copied from the models, not merged)")
 
 
 def mean_state_dict(state_dicts: Sequence[TensorMap]) -> StateDict:

@@ -53,6 +53,12 @@ DTYPES: dict[str, torch.dtype] = {
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def unreadable_dtype(where: str, key: str, found: str, readable: Sequence[str]) -> MimaError:
+    """A tensor of a dtype no merge reads (complex, float8, ...): of a file, or of a state dict given
+    in Python (mima.services.arguments), in the same words."""
+    return MimaError(f"{where}: tensor '{key}' has dtype {found}; mima reads {', '.join(readable)}")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """What the header says about a tensor (enough to check compatibility without reading data)."""
@@ -111,7 +117,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         view = handle.get_slice(key)  # the header's entry; reads no data
         name = view.get_dtype()
         if name not in DTYPES:
-            raise MimaError(f"{self.path}: tensor '{key}' has dtype {name}; mima reads {', '.join(DTYPES)}")
+            raise unreadable_dtype(str(self.path), key, name, list(DTYPES))
         return TensorInfo(torch.Size(view.get_shape()), DTYPES[name])
 
     def _read_offsets(self) -> dict[str, tuple[int, int]]:

@@ -31,7 +31,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mima.core.bounded_json import read_json
+from mima.core.bounded_json import read_json, short_json
+from mima.core.errors import MimaError
 from mima.core.files import write_json_atomic, write_text_atomic
 from mima.core.names import FINE_TUNED
 from mima.core.run_folder import SweepFolder
@@ -153,12 +154,44 @@ def _fmt(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def result_row_problem(row: object) -> str | None:
+    """Why an entry of results.json is not a row of the contract above (None: it is): what its
+    readers (`mima report`, mima.load_results, read_results) take from each row. Other keys are free."""
+    if not isinstance(row, dict):
+        return f"is not an object of N, model, task and accuracy (found {short_json(row)})"
+    if not isinstance(row.get("N"), int) or isinstance(row.get("N"), bool):
+        return f"has no whole-number 'N' (found {short_json(row.get('N'))})"
+    for key in ("model", "task"):
+        if not isinstance(row.get(key), str):
+            return f"has no name {key!r} (found {short_json(row.get(key))})"
+    for key, optional in (("accuracy", False), ("mean_cos_tau", True)):
+        value = row.get(key)
+        if not (optional and value is None) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return f"has no number {key!r} (found {short_json(value)})"
+    seed = row.get("seed")
+    if not (seed is None or seed == MEAN_OVER_SEEDS or isinstance(seed, int) and not isinstance(seed, bool)):
+        return f"has a 'seed' that is neither a whole number nor {MEAN_OVER_SEEDS!r} (found {short_json(seed)})"
+    return None
+
+
+def read_result_rows(folder: Path | SweepFolder) -> list[dict]:
+    """results.json's rows, each checked (`result_row_problem`): a damaged one is one line naming the
+    file and the row."""
+    sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
+    rows = read_json(sweep.results_json, expect=list)
+    for index, row in enumerate(rows):
+        problem = result_row_problem(row)
+        if problem is not None:
+            raise MimaError(f"{sweep.results_json}: row {index} {problem}")
+    return rows
+
+
 def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
     """The per-run ModelResults of a results folder (results.json, with the choices from
     selection.json, and the counts, intervals and comparisons where the rows hold them); the
     aggregate rows over seeds are left out (seed_summaries recomputes them)."""
     sweep = folder if isinstance(folder, SweepFolder) else SweepFolder(folder)
-    rows = read_json(sweep.results_json, expect=list)
+    rows = read_result_rows(sweep)
     selection_file = sweep.selection_json
     chosen = {}
     if selection_file.is_file():

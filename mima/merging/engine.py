@@ -31,7 +31,7 @@ from mima.core.errors import MimaError
 from mima.core.file_identity import first_duplicate
 from mima.core.run_folder import RunFolder
 from mima.core.spelling import DEVICE_SPELLINGS
-from mima.core.state_dicts import check_compatible
+from mima.core.state_dicts import check_compatible, check_weights
 from mima.core.threads import intra_op_threads
 from mima.core.tensor_files import GroupPrefetcher, SafetensorsReader, SafetensorsWriter, TensorInfo
 from mima.merging.common import all_finite
@@ -115,7 +115,9 @@ def open_inputs(model_files: Sequence[Path], base_path: Path | None, prefetch: b
         refuse_duplicate_inputs(paths, base_given=base_path is not None)
     with contextlib.ExitStack() as stack:
         readers = [stack.enter_context(SafetensorsReader(path)) for path in paths]
-        check_compatible({str(path): reader.infos for path, reader in zip(paths, readers)})
+        named = {str(path): reader.infos for path, reader in zip(paths, readers)}
+        check_compatible(named)
+        check_weights(named)  # an empty model, or one of integers alone, would be merged without a word
         order = list(readers[0].infos)
         # entered after the readers, so it stops reading before they close; it checks that each tensor
         # it reads ahead is finite, so that the merge's own thread need not (MergeMethod.check)

@@ -23,8 +23,9 @@ the machine lacks is refused before any input is opened.
 An input tensor holding NaN or Inf is refused, naming the file and the tensor, and so is a merged
 tensor that overflows (a huge --lam); `--allow-non-finite` merges such weights as they are (the
 strategies that decompose matrices still cannot, which is one line too). The output is never one of
-the inputs (under any name), a folder, or left half written; with results, the model and its results
-files are placed as one set (mima.core.publish.publish_folder).
+the inputs (under any name), a folder, or left half written, and never lands on a run folder's own
+files or inside the run folder of an input (mima.core.run_outputs); with results, the model and its
+results files are placed as one set (mima.core.publish.publish_folder).
 
 `--format open-clip` writes a folder instead: the full CLIP (the run's text tower, the merged image
 tower) that open_clip.create_model_and_transforms("local-dir:DIR") loads, its model card, and the
@@ -52,6 +53,7 @@ from mima.core.errors import MimaError
 from mima.core.files import (refuse_input_as_output, refuse_overwrite, remove_stale_temporaries, write_error,
                              write_json_atomic, write_text_atomic)
 from mima.core.publish import atomic_folder, publish_folder, remove_folders, stage_folder
+from mima.core.run_outputs import refuse_output_on_runs
 from mima.core.safetensors_io import load_state_dict
 from mima.core.spelling import check_device_spelling, suggest_option
 from mima.evaluation.cache_use import CACHE_MODES, cache_use
@@ -60,6 +62,7 @@ from mima.merging.catalogue import HYPERPARAMETERS, check_method_name
 from mima.merging.engine import expand_models, merge_device, merge_to_file, open_inputs, write_state_dict
 from mima.merging.registry import DataFreeMerge, MergeMethod, PerTaskMerge
 from mima.merging.selection import Selection, choose
+from mima.services.arguments import checked_state_dicts
 from mima.services.merge_request import SELECT_ON, MergeRequest
 
 if TYPE_CHECKING:
@@ -191,6 +194,7 @@ def merged_state(request: MergeRequest, models: Sequence[StateDictOrFile] | None
             base = dict(checked.base.items()) if checked.base is not None else None
     else:
         models, base = [state_dict_of(model) for model in models], state_dict_of(base) if base is not None else None
+        checked_state_dicts(models, base)  # as open_inputs checks files: keys, shapes, dtypes, weights
     refuse_without_config(method, request.select_on, config)
     pool = judging_pool(config, len(models), request.cache) if config is not None else None
     return dict(choose(method.on(device), models, base, pool, given, request.select_on, allow).merged)
@@ -205,6 +209,8 @@ def run_merge(request: MergeRequest, say: Say = print) -> None:
     """`mima merge`: the merge written to request.output (a file, or with format "open-clip" a
     folder), with its results beside it when a config judges it; the command's lines go to `say`."""
     check_request(request)
+    # before anything is read: a run folder given (or one a given file lies in) is never written into
+    refuse_output_on_runs("--output", request.output, [*request.models, request.base, request.config])
     if request.format == "open-clip":
         merge_to_open_clip(request, say)
     else:

@@ -69,7 +69,8 @@ def analyse(paths: Sequence[Path], out: Path | None = None, overwrite: bool = Fa
     runs = load_runs([Path(path) for path in paths])
     if out is None and len(paths) > 1:
         raise MimaError("--out is needed when several folders are given")
-    folder = output_folder(out, RunFolder(Path(paths[0])), NAME, output_files(runs), overwrite)
+    folder = output_folder(out, RunFolder(Path(paths[0])), NAME, output_files(runs), overwrite,
+                           inputs=[*paths, *run_folders([Path(path) for path in paths])])
     for run in runs:
         plot_heatmaps(run, folder / f"cosine_heatmaps_N{run.n}.png")
     plot_phase_boxes(runs, folder / "cosine_phases.png")

@@ -92,7 +92,8 @@ def main(options: CtlOptions) -> dict:
     _check_options(options)
     inputs = _resolve_inputs(options)
     files = ["ctl.json", "ctl.png", "ctl_arithmetic.png"]
-    folder = output_folder(options.out, inputs.run, NAME, files, options.overwrite, create=False)
+    folder = output_folder(options.out, inputs.run, NAME, files, options.overwrite, create=False,
+                           inputs=options.read_paths)
     weights_a, weights_b, base = _load_models(inputs, with_base=not options.no_arithmetic)
     encoder, subsets = _encoder_and_images(inputs, options.examples, weights_a)
     folder.mkdir(parents=True, exist_ok=True)  # only now: a mistake above leaves no empty folder behind

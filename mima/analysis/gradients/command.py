@@ -118,7 +118,7 @@ def main(options: GradientsOptions) -> None:
     tasks = _choose_tasks(pool.tasks, options.tasks)
     theta_0 = _theta_0(pool, pretrained)
     # After every check that can fail on the inputs, so that a mistake leaves no empty folder behind.
-    folder = output_folder(options.out, run, NAME, [JSON_FILE, FIGURE_FILE], options.overwrite)
+    folder = output_folder(options.out, run, NAME, [JSON_FILE, FIGURE_FILE], options.overwrite, inputs=[options.run])
     try:
         device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:

@@ -59,7 +59,8 @@ def main(options: argparse.Namespace) -> None:
     for task in pair:
         if task not in models.tasks:
             raise MimaError(f"--tasks {task}: not among the models' tasks ({', '.join(models.tasks)})")
-    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite, create=False)
+    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite, create=False,
+                           inputs=options.read_paths)
     pool = models.task_pool()
     for task in pair:
         if task not in pool.heads:

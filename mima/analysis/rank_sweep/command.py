@@ -63,7 +63,7 @@ def main(options: RankSweepOptions) -> None:
     if not any(t.is_floating_point() and is_matrix(k, t, options.matrix_keys) for k, t in models.models[0].items()):
         raise MimaError(f"--matrix-keys {options.matrix_keys!r}: matches no 2-D weight of the models")
     pool = None if options.no_accuracy else models.task_pool()
-    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite)
+    folder = output_folder(options.out, models.run, NAME, FILES, options.overwrite, inputs=options.read_paths)
     sweep = rank_sweep(models.models, models.base, sorted(options.ratios), options.ranks,
                        options.lam_cart, options.lam_ta, options.matrix_keys, models.tasks)
     curve = None

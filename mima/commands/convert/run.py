@@ -14,7 +14,8 @@
       recorded) in open_clip's folder layout, with a model card (mima.convert.open_clip_writer).
 
 This module checks the options (mima.commands.convert.options declares them), refuses outputs that are
-inputs or exist (unless --overwrite) before any reading, and writes the result.
+inputs, exist (unless --overwrite) or lie in an input's run folder (mima.core.run_outputs) before any
+reading, and writes the result.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mima.commands.convert.options import ConvertOptions
 from mima.convert.pickle_reader import convert_checkpoint
 from mima.core.errors import MimaError
 from mima.core.files import refuse_input_as_output, refuse_overwrite
+from mima.core.run_outputs import refuse_output_on_runs
 from mima.core.safetensors_io import save_state_dict
 from mima.convert.open_clip_export import convert_to_open_clip
 
@@ -76,6 +78,7 @@ def _check_open_clip_options(options) -> str:
 def main(options: ConvertOptions) -> None:
     mode = _check_options(options)
     output, source = _output_of(options), options.source
+    refuse_output_on_runs("--output", output, [source, options.config, options.projection_from])
     if mode == "to-open-clip":
         convert_to_open_clip(source, options.config, output, options.overwrite)
         return

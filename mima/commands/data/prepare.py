@@ -44,5 +44,8 @@ def main(argv: Sequence[str]) -> int:
     archives = (options.archives or options.root).expanduser()
     names = select_tasks(options.tasks, options.benchmark)
     validate_arguments(root, archives, options.download, "--archives" if options.archives else "--root")
+    from mima.core.run_outputs import refuse_output_on_runs
+
+    refuse_output_on_runs("--root", root, [archives])
     return run_prepare(root, archives, names, download=options.download, overwrite=options.overwrite,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))

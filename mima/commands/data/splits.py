@@ -37,6 +37,9 @@ def main(argv: Sequence[str]) -> None:
     options = parse(argv)
     config = config_with_root(options)
     from mima.core.files import refuse_overwrite
+    from mima.core.run_outputs import refuse_output_on_runs
+
+    refuse_output_on_runs("--out", options.out, [options.config])  # a run folder as --config stays as it is
     from mima.data.splits import task_split_record, write_split_file
 
     data = config.datamodule()

@@ -30,6 +30,7 @@ from mima.core.files import refuse_overwrite
 from mima.core.names import JOINT
 from mima.core.publish import atomic_folder
 from mima.core.run_folder import RunFolder, SweepFolder
+from mima.core.run_outputs import refuse_output_on_runs
 from mima.evaluation.results_files import read_results
 from mima.evaluation.results import seeds_at
 from mima.evaluation.tables import SIGNIFICANCE_NOTE, markdown_table, n_table, significance_table, summary_table
@@ -344,6 +345,8 @@ def write_report(folder: Path, out: Path | None = None, overwrite: bool = False)
         raise MimaError(f"{folder}: no such folder")
     out = Path(out) if out is not None else folder
     report_files = RunFolder(out).report_files()
+    read = [folder, *(run.path for run in SweepFolder(folder).runs(include_joint=True))]  # a sweep's runs are read too
+    refuse_output_on_runs("--out", out, read, kept=RunFolder.report_files, written=report_files)
     if not overwrite:
         refuse_overwrite(report_files, what=f"--out {out}")
     folder_kind(folder)  # before anything is created

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mima.core.spelling import check_device_spelling
+from mima.services.arguments import names_of, path_of, paths_of, switch_of
 from mima.core.errors import MimaError
 from mima.evaluation.cache_use import CACHE_MODES
 
@@ -55,18 +56,20 @@ def evaluate_options(runs: str | os.PathLike | Sequence[str | os.PathLike], out:
     """The options of one process's `mima evaluate` from Python values, each refused as the command's
     parser refuses its word (the value as its text, in the order of the command line), then as
     EvaluateOptions checks them."""
-    runs = [runs] if isinstance(runs, (str, os.PathLike)) else list(runs)
+    runs = paths_of("runs", runs)  # of the types the command's words can be, else one line (mima.services.arguments)
+    merges = names_of("merges", merges)
     if merges is not None and len(merges) == 0:
         parser_error("argument --merges: expected at least one argument")
     values = dict(
-        merges=tuple(COMPARED_MERGES if merges is None else map(str, merges)), no_select=no_select, overwrite=overwrite,
-        devices=None, precision=chosen("--precision", precision, PRECISIONS),
-        val_examples=whole_number("--val-examples", val_examples), skip_unfinished=skip_unfinished,
+        merges=tuple(COMPARED_MERGES if merges is None else merges), no_select=switch_of("no_select", no_select),
+        overwrite=switch_of("overwrite", overwrite), devices=None, precision=chosen("--precision", precision, PRECISIONS),
+        val_examples=whole_number("--val-examples", val_examples),
+        skip_unfinished=switch_of("skip_unfinished", skip_unfinished),
         merge_device=spelled_device("--merge-device", merge_device), num_workers=whole_number("--num-workers", num_workers),
         log_to_tracker=False, cache=chosen("--cache", CACHE_MODES[0] if cache is None else cache, CACHE_MODES))
-    paths = tuple(Path(str(run)) for run in required_runs(runs))
+    paths, out = tuple(required_runs(runs)), path_of("out", out)
     try:
-        return EvaluateOptions(runs=paths, out=Path(str(out)), **values)
+        return EvaluateOptions(runs=paths, out=out, **values)
     except MimaError as mistake:  # worded as the command's parser words it
         parser_error(str(mistake))
 

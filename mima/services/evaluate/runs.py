@@ -40,6 +40,7 @@ import torch
 from mima.core.folders import no_empty_folder_left
 from mima.core.run_folder import SweepFolder
 from mima.core.run_lock import RunLock
+from mima.core.run_outputs import refuse_output_on_runs
 from mima.evaluation.accuracy import EvalSettings, EvaluationStopped, default_precision
 from mima.evaluation.cache_use import CacheUse, cache_use, manifest_entry
 from mima.evaluation.device import claim_device
@@ -100,6 +101,8 @@ def evaluate_runs(
     are read from the decoded-image cache in whole batches made on the device; every in-process
     evaluation (`mima evaluate`, the sweep and the demo) is switched here."""
     started = started or time.time()
+    # before any work: not into a run it reads, but for the place each run keeps for its own results
+    refuse_output_on_runs("--out", out_dir, run_dirs, kept=lambda run: [run.evaluation.path])
     team = team or Team(session=new_session())
     device = claim_device(team.local_rank)  # first: nothing below may open a CUDA context on another GPU
     merges_on = device if merge_device in (None, "auto") else resolve_merge_device(merge_device, "--merge-device")

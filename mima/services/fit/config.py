@@ -13,6 +13,7 @@ from typing import Any
 from mima.config.source import check_run_values, config_mapping, read_config_file
 from mima.config.trust import check_config_code
 from mima.core.errors import MimaError
+from mima.services.arguments import check_yaml_values, config_of, optional_path_of
 
 NO_CONFIG_FILE = "cli"  # what --out's {config} becomes when no config file names the run
 ONE_DEVICE = {"trainer": {"devices": 1, "num_nodes": 1}}  # mima.fit: one process, on one device
@@ -50,6 +51,7 @@ def one_device_layers(config: str | os.PathLike | Mapping[str, Any], overrides: 
                       out: str | os.PathLike | None) -> tuple[ConfigLayers, str]:
     """`config`, then `overrides`, then one process on one device, then `out`, each checked; and the
     name --out's {config} takes (the config file's, without its extension)."""
+    config, out = config_of("config", config), optional_path_of("out", out)  # a path or a mapping YAML holds
     if isinstance(config, Mapping):
         file, name, mappings = None, NO_CONFIG_FILE, [checked_mapping(config, "config")]
     else:
@@ -68,5 +70,6 @@ def one_device_layers(config: str | os.PathLike | Mapping[str, Any], overrides: 
 def checked_mapping(given: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     """A config mapping given in Python, shaped and checked as a config file's contents."""
     raw = config_mapping(dict(given), source)
+    check_yaml_values(raw, source)  # what the run's config.yaml will hold
     check_config(raw, source)
     return raw
