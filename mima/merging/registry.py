@@ -304,7 +304,8 @@ class DataFreeMerge(MergeMethod):
         own), computed there and each tensor handed back on the CPU."""
         target = self.target(device)
         checked = self.check(models, base, allow_non_finite, target, **given)
-        items = self.run(checked.models, checked.base, checked.values)
+        with self.refusals():  # a strategy may compute before its first item (LiNeS's 'auto' alpha)
+            items = self.run(checked.models, checked.base, checked.values)
         if target is not None:
             items = ((key, tensor.to("cpu")) for key, tensor in computed_on(target, items))
         return refusing_linalg_errors(self.name, items)
