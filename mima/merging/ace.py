@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from mima.core import linalg
 from mima.merging.catalogue import DEFAULT_ACE_MATRIX_KEYS
 from mima.merging.common import matrices_merged
 from mima.merging.registry import ScaledMerge, register
@@ -92,19 +93,31 @@ def ace_matrix(taus: list[torch.Tensor], epsilon: float, rank_fraction: float) -
     return merged.float()
 
 
+def right_solve(system: torch.Tensor, right: torch.Tensor, prior: torch.Tensor | None) -> torch.Tensor:
+    """right @ system^-1 by LAPACK's solve (x system = right)."""
+    return torch.linalg.solve(system, right, left=False)
+
+
+def right_pseudo_inverse(system: torch.Tensor, right: torch.Tensor, prior: torch.Tensor | None) -> torch.Tensor:
+    """right @ pinv(system): the reference's answer to a singular system."""
+    return right @ torch.linalg.pinv(system)
+
+
+# The reference's routes (float64 throughout), as mima.core.linalg.solve takes them: a solve, and the
+# pseudo-inverse where the system is singular.
+ACE_SOLVE_ROUTES = (("float64", right_solve), ("pseudo-inverse", right_pseudo_inverse))
+
+
 def solve_right(right: torch.Tensor, system: torch.Tensor) -> torch.Tensor:
-    """right @ system^-1; the pseudo-inverse when the system is singular (the reference's fallback)."""
-    try:
-        return torch.linalg.solve(system, right, left=False)
-    except torch.linalg.LinAlgError:
-        if not bool(torch.isfinite(system).all()):
-            raise  # NaN/Inf weights (allowed through): the registry's one-line refusal
-        return right @ torch.linalg.pinv(system)
+    """right @ system^-1; the pseudo-inverse when the system is singular (the reference's fallback).
+    NaN or Inf in either, or both routes failing, is mima.core.linalg's one-line refusal."""
+    return linalg.solve(system, right, routes=ACE_SOLVE_ROUTES)
 
 
 def isotropic_refinement(fused: torch.Tensor, rank_fraction: float) -> torch.Tensor:
     """mean(s_1 .. s_k) U_k V_k^T of the SVD of `fused`, k = int(rank_fraction * rank); zero for k = 0."""
-    u, s, vh = torch.linalg.svd(fused, full_matrices=False)
+    decomposition = linalg.svd(fused, dtype=torch.float64)
+    u, s, vh = decomposition.u, decomposition.s, decomposition.vh
     kept = int(s.numel() * rank_fraction)
     if kept == 0:
         return torch.zeros_like(fused)

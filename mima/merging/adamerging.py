@@ -30,7 +30,7 @@ import torch
 
 from mima.core.linalg import low_rank
 from mima.merging.cart import cart_matrices, cart_rank
-from mima.merging.common import mean_tensor
+from mima.merging.common import tensor_step, mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import DataMerge, MergeOutput, floating_keys, register
 
@@ -156,7 +156,8 @@ def centered_low_rank_vectors(models, rank_ratio: float, matrix_keys: str):
         for key in keys:
             centered = model[key].float() - average[key].float()
             if key in matrices:
-                centered = low_rank(centered, cart_rank(centered.shape, rank_ratio))
+                with tensor_step(key, models):
+                    centered = low_rank(centered, cart_rank(centered.shape, rank_ratio))
             vector[key] = centered
         vectors.append(vector)
     return average, keys, vectors

@@ -33,7 +33,8 @@ import torch
 
 from mima.core.errors import MimaError
 from mima.core.linalg import low_rank, svd
-from mima.merging.common import check_matrix_keys, is_matrix_key, mean_tensor, some_keys, tensor_headers, two_d_keys
+from mima.merging.common import (check_matrix_keys, is_matrix_key, tensor_step, mean_tensor, some_keys, tensor_headers,
+                                 two_d_keys)
 from mima.merging.catalogue import DEFAULT_MATRIX_KEYS
 from mima.merging.registry import ScaledMerge, register
 
@@ -109,8 +110,9 @@ def _cart(models, rank_ratio: float, matrices: set[str]):
             continue
         rank = cart_rank(average.shape, rank_ratio)
         total = torch.zeros(average.shape, dtype=torch.float32, device=average.device)
-        for model in models:
-            total += low_rank(model[key].float() - average.float(), rank)
+        with tensor_step(key, models):
+            for model in models:
+                total += low_rank(model[key].float() - average.float(), rank)
         yield key, average, total
 
 
@@ -129,7 +131,8 @@ def _cart_sweep(models, ratios: list[float], matrices: set[str]):
             continue
         totals = {ratio: torch.zeros(average.shape, dtype=torch.float32, device=average.device) for ratio in ratios}
         for model in models:
-            decomposition = svd(model[key].float() - average.float())
+            with tensor_step(key, models):
+                decomposition = svd(model[key].float() - average.float())
             for ratio in ratios:
                 totals[ratio] += decomposition.low_rank(cart_rank(average.shape, ratio))
         for ratio in ratios:

@@ -23,7 +23,7 @@ import torch
 
 from mima.core.linalg import svd
 from mima.merging.cart import DEFAULT_MATRIX_KEYS, cart_matrices, cart_rank
-from mima.merging.common import index_entries, mean_tensor
+from mima.merging.common import index_entries, tensor_step, mean_tensor
 from mima.merging.registry import PerTaskMerge, register
 
 
@@ -39,7 +39,8 @@ def cart_index(models, base, rank_ratio: float, matrix_keys: str = DEFAULT_MATRI
             centered = model[key].float() - average.float()
             if key in matrices:
                 # U_r S_r and V_r stored apart (a pair's sign is the SVD library's: mima.core.linalg)
-                left, right = svd(centered).factors(cart_rank(average.shape, rank_ratio))
+                with tensor_step(key, models):
+                    left, right = svd(centered).factors(cart_rank(average.shape, rank_ratio))
                 index[f"task{task}/{key}/left"] = left.contiguous()
                 index[f"task{task}/{key}/right"] = right.contiguous()
             else:

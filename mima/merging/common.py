@@ -7,7 +7,11 @@ TALL's consensus masks, the CART variants' rule and rank, RegMean++'s RegMean, F
   residual blocks    the block index of a tensor name (`block_keys`: LiNeS, RegMean++)
   per-task indexes   their shared entries; masks packed one bit per entry (TALL, EMR) and the
                      masked reconstruction
-  finite inputs      NaN/Inf refused as a tensor is read, and named with its input and key
+  finite inputs      NaN/Inf refused as a tensor is read, and named with its input and key; with
+                     allow_non_finite, still refused where a step would spread them (a matrix's
+                     decomposition, solve or Gram matrix: tensor_step; the data-dependent merges'
+                     forward passes); every decomposition or solve that cannot run is one line
+                     naming the method and the tensor
   devices            inputs read onto the device a merge computes on, in IEEE float32 matmuls
 
 Every function works on mappings from key to tensor, which may be lazy file-backed readers: those
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from mima.core.errors import MimaError
+from mima.core.linalg import LinalgFailure, first_line
 from mima.core.state_dicts import accumulator
 
 TensorMap = Mapping[str, torch.Tensor]
@@ -51,7 +56,9 @@ def matrices_merged(models: Sequence[TensorMap], base: TensorMap, matrix_keys: s
         if taus is None:
             yield key, anchor, None
         elif is_matrix_key(key, anchor, matrix_keys):
-            yield key, anchor, merge_matrix(taus)
+            with tensor_step(key, models, base):
+                merged = merge_matrix(taus)
+            yield key, anchor, merged
         else:
             yield key, anchor, torch.stack(taus).mean(dim=0)
 
@@ -222,8 +229,9 @@ class FiniteView(Mapping[str, torch.Tensor]):
     poisons every merge of it (sums, signs, SVDs), so it is an error naming the input and the key.
     Checked on read, not up front, so a streamed merge still reads each file once."""
 
-    def __init__(self, model: TensorMap, name: str) -> None:
-        self.model, self.name = model, name
+    def __init__(self, model: TensorMap, name: str, spreading: str | None = None) -> None:
+        # spreading: the data-dependent merge reading it, which allow_non_finite cannot help
+        self.model, self.name, self.spreading = model, name, spreading
         # lazy readers keep answering shapes and dtypes from their headers, without a read
         self.infos = getattr(model, "infos", None)
 
@@ -231,10 +239,17 @@ class FiniteView(Mapping[str, torch.Tensor]):
         tensor = self.model[key]
         finite = known_finite(self.model, key)
         if not (finite if finite is not None else all_finite(tensor)):
-            # the flag is named with its command: `mima evaluate` reaches here too and has no such flag
-            raise MimaError(f"{self.name}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
-                            "(`mima merge --allow-non-finite`, or allow_non_finite=True, merges them as they are)")
+            raise MimaError(self.refusal(key))
         return tensor
+
+    def refusal(self, key: str) -> str:
+        if self.spreading is not None:
+            return (f"{self.name}: tensor '{key}' holds NaN or Inf values; {self.spreading}'s forward passes through the "
+                    "task pool would spread them to every weight it merges, so it needs finite weights even with "
+                    "allow_non_finite (--allow-non-finite)")
+        # the flag is named with its command: `mima evaluate` reaches here too and has no such flag
+        return (f"{self.name}: tensor '{key}' holds NaN or Inf values; a merge needs finite weights "
+                "(`mima merge --allow-non-finite`, or allow_non_finite=True, merges them as they are)")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.model)
@@ -250,25 +265,64 @@ def known_finite(model: TensorMap, key: str) -> bool | None:
     return known(key) if known is not None else None
 
 
-def refusing_non_finite(model: TensorMap, name: str) -> FiniteView:
-    """`model` seen through a FiniteView (once: a view already checking is returned as it is)."""
-    return model if isinstance(model, FiniteView) else FiniteView(model, name)
+def refusing_non_finite(model: TensorMap, name: str, spreading: str | None = None) -> FiniteView:
+    """`model` seen through a FiniteView (once: a view already checking is returned as it is);
+    `spreading`: the data-dependent merge that reads it (its refusal says why the flag cannot help)."""
+    return model if isinstance(model, FiniteView) else FiniteView(model, name, spreading)
+
+
+class TensorRefusal(MimaError):
+    """A step computed from one whole tensor (a decomposition, a solve, a norm), refused in one line
+    naming the tensor (tensor_step); the merge's entry points add the method's name
+    (linalg_errors_as_refusals)."""
+
+
+# The one rule of allow_non_finite (docs/merging.md, "Degenerate inputs"), as the refusals word it.
+NON_FINITE_LET_THROUGH = "which allow_non_finite (--allow-non-finite) let through"
+# float32's largest finite value, for the line saying that finite weights overflowed it
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@contextlib.contextmanager
+def tensor_step(key: str, models: Sequence[TensorMap], base: TensorMap | None = None):
+    """A step computed from the whole tensor `key` (an SVD, a solve, a Gram matrix, an angle or a
+    norm) that cannot run (mima.core.linalg.LinalgFailure, raised there or by require_finite) as one
+    line naming the tensor. One NaN or Inf in such a step would decide or poison every entry it
+    computes, so it is refused even where allow_non_finite let the inputs through. Where the step's
+    input held NaN or Inf, the inputs of `key` are read again (only then) to say whether they held
+    them or finite weights overflowed float32 on the way; a finite matrix that no route could
+    decompose says so."""
+    try:
+        yield
+    except LinalgFailure as failure:
+        raise TensorRefusal(step_refusal(key, failure, models, base)) from None
+
+
+def step_refusal(key: str, failure: LinalgFailure, models: Sequence[TensorMap], base: TensorMap | None) -> str:
+    if failure.finite:
+        return f"tensor '{key}': {failure}"
+    inputs = [*models, *([base] if base is not None else [])]
+    if not all(all_finite(model[key]) for model in inputs):
+        return f"tensor '{key}' holds NaN or Inf values, {NON_FINITE_LET_THROUGH}; its {failure.step} cannot take them"
+    return (f"tensor '{key}': {failure} computed from finite weights (sums, differences or products of them "
+            f"beyond float32's range, {FLOAT32_MAX:.3g}); weights this large cannot be merged in float32")
 
 
 @contextlib.contextmanager
 def linalg_errors_as_refusals(method: str):
-    """With allow_non_finite, NaN or Inf reach the strategy: those that decompose matrices (SVD,
-    eigen-decompositions) cannot take them, which is one line, not a LinAlgError traceback."""
+    """A decomposition or solve that cannot run is one line naming the method and (tensor_step) the
+    tensor, never a traceback: on NaN or Inf (let through by allow_non_finite, or overflowed from
+    finite weights), or on a finite matrix that every fallback of mima.core.linalg failed on."""
     try:
         yield
-    except torch.linalg.LinAlgError as error:
-        reason = str(error).strip().splitlines()[0]
-        raise MimaError(f"{method}: cannot merge weights holding NaN or Inf, which allow_non_finite (--allow-non-finite) "
-                        f"let through ({reason})") from None
+    except (TensorRefusal, LinalgFailure) as refusal:
+        raise MimaError(f"{method}: {refusal}") from None
+    except torch.linalg.LinAlgError as error:  # a library call outside mima.core.linalg's helpers
+        raise MimaError(f"{method}: {first_line(error)}") from None
 
 
 def refusing_linalg_errors(method: str, items: Iterator) -> Iterator:
-    """A streamed merge whose decompositions' failures on NaN/Inf are one-line errors (see above)."""
+    """A streamed merge whose decompositions' failures are one-line errors (see above)."""
     with linalg_errors_as_refusals(method):
         yield from items
 

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 
 import torch
 
-from mima.merging.common import indexed_task_vectors, pack, reconstruct_masked
+from mima.core.linalg import require_finite
+from mima.merging.common import indexed_task_vectors, pack, reconstruct_masked, tensor_step
 from mima.merging.registry import PerTaskMerge, register
 
 
@@ -48,6 +49,8 @@ def emr_index(models, base) -> dict[str, torch.Tensor]:
     masked_means = torch.zeros(tasks, dtype=torch.float64)  # sum over tensors of mean|M_t * tau_uni|
     index: dict[str, torch.Tensor] = {}
     for key, taus in indexed_task_vectors(models, base, index):
+        with tensor_step(key, models, base):  # one NaN or Inf would decide every entry of a task's model
+            require_finite(taus, "rescalers (mean |tau_t| over the whole model)")
         _, unified, masks = elect(taus)
         index[f"unified/{key}"] = unified
         flat = taus.reshape(tasks, -1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from mima.core.spelling import DEVICE_SPELLINGS
 from mima.core.state_dicts import check_compatible, check_weights
 from mima.core.threads import intra_op_threads
 from mima.core.tensor_files import GroupPrefetcher, SafetensorsReader, SafetensorsWriter, TensorInfo
-from mima.merging.common import all_finite
+from mima.merging.common import all_finite, some_keys
 from mima.merging.registry import DataFreeMerge, MergeMethod
 
 
@@ -153,10 +154,12 @@ def merge_to_file(
     specs = [(key, info.shape, info.dtype) for key, info in reference.infos.items()]
     # checks before the file is opened
     stream = method.stream(inputs.models, inputs.base, allow_non_finite, device=device, **hparams)
+    holding: list[str] = []  # with allow_non_finite: the keys written holding NaN or Inf
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer, \
             intra_op_threads(arithmetic_threads(method, inputs, method.target(device))):
         for key, tensor in stream:
-            writer.write(key, tensor if allow_non_finite else check_finite_output(method.name, key, tensor))
+            writer.write(key, checked_output(method.name, key, tensor, allow_non_finite, holding))
+    say_non_finite_output(output, holding)
 
 
 def arithmetic_threads(method: MergeMethod, inputs: MergeInputs, device: torch.device | None) -> int | None:
@@ -175,9 +178,11 @@ def write_state_dict(output: Path, state: Mapping[str, torch.Tensor], order: Seq
     """Write an in-memory merge (data-dependent strategies) in the inputs' key order."""
     specs = [(key, state[key].shape, state[key].dtype) for key in order]
     method = str(metadata.get("method", "the merge"))
+    holding: list[str] = []
     with SafetensorsWriter(output, specs, metadata=metadata, overwrite=overwrite) as writer:
         for key in order:
-            writer.write(key, state[key] if allow_non_finite else check_finite_output(method, key, state[key]))
+            writer.write(key, checked_output(method, key, state[key], allow_non_finite, holding))
+    say_non_finite_output(output, holding)
 
 
 def check_finite_output(method: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -185,6 +190,24 @@ def check_finite_output(method: str, key: str, tensor: torch.Tensor) -> torch.Te
     if not all_finite(tensor):
         raise MimaError(f"{method}: the merged tensor '{key}' overflows to Inf or NaN; check the hyperparameters (e.g. --lam)")
     return tensor
+
+
+def checked_output(method: str, key: str, tensor: torch.Tensor, allow_non_finite: bool, holding: list[str]) -> torch.Tensor:
+    """A merged tensor as it is written: refused when it is not finite, unless `allow_non_finite`, in
+    which case its key joins `holding` (said once the file is written: say_non_finite_output)."""
+    if not allow_non_finite:
+        return check_finite_output(method, key, tensor)
+    if not all_finite(tensor):
+        holding.append(key)
+    return tensor
+
+
+def say_non_finite_output(output: Path, holding: Sequence[str]) -> None:
+    """A merge holding NaN or Inf is never written silently (docs/merging.md, "Degenerate inputs")."""
+    if holding:
+        # the file's name only: a merge judged on tasks is written into a staging folder first
+        sys.stderr.write(f"mima: warning: {output.name} was written with NaN or Inf in {len(holding)} tensor(s) "
+                         f"({some_keys(holding)}), which allow_non_finite (--allow-non-finite) let through\n")
 
 
 def merge_device(spelling: str, option: str = "--device") -> torch.device:

@@ -36,7 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from mima.core.errors import MimaError
-from mima.merging.common import block_depths, summed_task_vectors
+from mima.core.linalg import require_finite
+from mima.merging.common import block_depths, summed_task_vectors, tensor_step
 from mima.merging.consensus import consensus
 from mima.merging.registry import ScaledItem, StreamingMerge, combine_tensor, floating_keys, get_method, register
 from mima.merging.task_arithmetic import task_arithmetic
@@ -68,12 +69,25 @@ def auto_alpha(models, base, base_merge: str) -> float:
     tasks = len(models)
     if base_merge == "task_arithmetic":  # tau_m is the sum itself
         return 1.0 / tasks
-    summed = sum(float(total.abs().sum()) for _, _, total in summed_task_vectors(models, base) if total is not None)
-    merged = sum(float(vector.abs().sum()) for _, _, vector in base_merge_run(base_merge, models, base) if vector is not None)
+    summed = whole_model_l1(summed_task_vectors(models, base), models, base)
+    merged = whole_model_l1(base_merge_run(base_merge, models, base), models, base)
     if merged == 0:
         raise MimaError(f"merge method 'lines': the {base_merge} task vector is zero, so lines_alpha 'auto' "
                         "(a ratio of its L1 norm) is undefined; give lines_alpha a number")
     return summed / merged / tasks
+
+
+def whole_model_l1(items: Iterable[ScaledItem], models, base) -> float:
+    """The L1 norm over every (key, anchor, vector) item's vector; a vector holding NaN or Inf is
+    refused, naming its tensor: it would decide alpha, so every entry of the merge."""
+    total = 0.0
+    for key, _, vector in items:
+        if vector is None:
+            continue
+        with tensor_step(key, models, base):
+            require_finite(vector, "lines_alpha 'auto' (L1 norms over the whole model)")
+        total += float(vector.abs().sum())
+    return total
 
 
 def lines(models, base, base_merge: str, lines_alpha, lines_beta: float, block_keys: str):

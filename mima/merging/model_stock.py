@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from mima.merging.common import task_vectors_by_key
+from mima.core.linalg import require_finite
+from mima.merging.common import task_vectors_by_key, tensor_step
 from mima.merging.registry import MergeMethod, StreamingMerge, register
 
 EPS = 1e-8  # the reference's guard in the cosine's and the ratio's denominators
@@ -55,6 +56,9 @@ def model_stock(models, base):
         if taus is None:
             yield key, anchor.clone()
             continue
+        with tensor_step(key, models, base):  # one NaN would decide the whole tensor's angle
+            for tau in taus:
+                require_finite(tau, "angle between the task vectors")
         ratio = interpolation_ratio(taus)
         # t * mean_t theta_t + (1 - t) * theta_0 = theta_0 + t * mean_t tau_t
         mean_tau = torch.stack(taus).mean(dim=0)

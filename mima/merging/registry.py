@@ -50,7 +50,6 @@ silently ignored.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -226,8 +225,10 @@ class MergeMethod(abc.ABC):
         it; at least `min_models` task models, and no more `min_tasks` than models; a `matrix_keys`
         pattern given that selects no 2-D floating tensor (read from the headers of lazy inputs),
         which would quietly make a low-rank merge an average. NaN or Inf weights are refused as
-        each tensor is read, naming the input and key, unless `allow_non_finite`. With a `device`, the
-        inputs handed on are read onto it (the check of each tensor then runs there).
+        each tensor is read, naming the input and key, unless `allow_non_finite` (never for a
+        data-dependent merge, whose forward passes would spread them: docs/merging.md, "Degenerate
+        inputs"). With a `device`, the inputs handed on are read onto it (the check of each tensor
+        then runs there).
         """
         values = self.hyperparameters(given)
         if self.needs_base and base is None:
@@ -246,14 +247,17 @@ class MergeMethod(abc.ABC):
             if model is None:
                 return None
             moved = on_device(model, device)
-            return moved if allow_non_finite else refusing_non_finite(moved, input_name(model, name))
+            if allow_non_finite and not self.needs_data:
+                return moved
+            return refusing_non_finite(moved, input_name(model, name), self.name if self.needs_data else None)
 
         return CheckedInputs([handed_on(model, f"models[{index}]") for index, model in enumerate(models)],
                              handed_on(base, "base"), values)
 
-    def refusals(self, allow_non_finite: bool):
-        """Around a merge: with `allow_non_finite`, a decomposition failing on NaN/Inf is one line."""
-        return linalg_errors_as_refusals(self.name) if allow_non_finite else contextlib.nullcontext()
+    def refusals(self):
+        """Around a merge: a decomposition or solve that cannot run (on NaN/Inf, or on a finite matrix
+        every fallback failed on) is one line naming the method and the tensor."""
+        return linalg_errors_as_refusals(self.name)
 
     def stream(self, models: Sequence[TensorMap], base: TensorMap | None = None, allow_non_finite: bool = False,
                device: torch.device | str | None = None, **given) -> Iterator[Item]:
@@ -311,10 +315,11 @@ class DataFreeMerge(MergeMethod):
         own), computed there and each tensor handed back on the CPU."""
         target = self.target(device)
         checked = self.check(models, base, allow_non_finite, target, **given)
-        items = self.run(checked.models, checked.base, checked.values)
+        with self.refusals():  # a strategy may compute before its first item (LiNeS's 'auto' alpha)
+            items = self.run(checked.models, checked.base, checked.values)
         if target is not None:
             items = ((key, tensor.to("cpu")) for key, tensor in computed_on(target, items))
-        return refusing_linalg_errors(self.name, items) if allow_non_finite else items
+        return refusing_linalg_errors(self.name, items)
 
     def merge(self, models: Sequence[TensorMap], base: TensorMap | None = None, pool=None, allow_non_finite: bool = False,
               device: torch.device | str | None = None, **given) -> MergeOutput:
@@ -357,7 +362,7 @@ class ScaledMerge(DataFreeMerge):
         computed on `device` (or the method's own) and handed back on the CPU."""
         target = self.target(device)
         checked = self.check(models, base, allow_non_finite, target)
-        with self.refusals(allow_non_finite):
+        with self.refusals():
             swept = self._swept(checked.models, checked.base, settings)
             if target is None:
                 yield from swept
@@ -422,7 +427,7 @@ class PerTaskMerge(MergeMethod):
               device: torch.device | str | None = None, **given) -> MergeOutput:
         target = self.target(device)
         checked = self.check(models, base, allow_non_finite, target, **given)
-        with self.refusals(allow_non_finite), ieee_matmuls(target):
+        with self.refusals(), ieee_matmuls(target):
             index = self.index_fn(checked.models, checked.base, **checked.values)
         return MergeOutput(index if target is None else on_host(index))
 
@@ -446,7 +451,7 @@ class DataMerge(MergeMethod):
         checked = self.check(models, base, allow_non_finite, None, **given)
         if pool is None:
             raise MimaError(f"merge method '{self.name}' needs task data (a config with model and data sections)")
-        with self.refusals(allow_non_finite), ieee_matmuls(None):
+        with self.refusals(), ieee_matmuls(None):
             output = self.data_fn(checked.models, checked.base, pool, **checked.values)
         if not isinstance(output, MergeOutput):
             raise TypeError(f"merge method '{self.name}': data_fn must return a MergeOutput, got {type(output).__name__}")

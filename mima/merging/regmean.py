@@ -16,13 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mima.merging.common import mean_tensor
+from mima.core.linalg import solve
+from mima.merging.common import tensor_step, mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import DataMerge, MergeOutput, register
 
 
 def input_grams(pool: Pool, weights, task: str, examples: int) -> dict[str, torch.Tensor]:
-    """Mean outer products of the inputs of each nn.Linear that runs, keyed by its weight's name."""
+    """Mean outer products of the inputs of each nn.Linear that runs, keyed by its weight's name; the
+    forward passes in float32 whatever the models' dtype (float16 or bfloat16 files), as the encoder's."""
+    weights = {key: value.float() if value.is_floating_point() else value for key, value in weights.items()}
     grams: dict[str, torch.Tensor] = {}
     rows: dict[str, int] = {}
     handles = []
@@ -53,10 +56,15 @@ def reduce_off_diagonal(gram: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def regmean_weight(grams: list[torch.Tensor], weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
-    """W* = (sum_t G_t)^-1 sum_t G_t W_t^T, transposed back, with off-diagonals scaled by alpha."""
+    """W* = (sum_t G_t)^-1 sum_t G_t W_t^T, transposed back, with off-diagonals scaled by alpha (float32).
+
+    A singular sum (an input feature the examples never excite, say activations that underflow) is
+    solved in float64, then with mima.core.linalg's ridge toward the average weight: a direction the
+    data say nothing about keeps the average, as RegMean keeps it for what it cannot fit."""
     reduced = [reduce_off_diagonal(gram, alpha) for gram in grams]
     rhs = sum(gram @ weight.float().T for gram, weight in zip(reduced, weights))
-    return torch.linalg.solve(sum(reduced), rhs).T.contiguous()
+    average = sum(weight.float().T for weight in weights) / len(weights)
+    return solve(sum(reduced), rhs, prior=average).T.contiguous()
 
 
 def regmean(models, base, pool: Pool, examples: int, alpha: float) -> MergeOutput:
@@ -67,7 +75,8 @@ def regmean(models, base, pool: Pool, examples: int, alpha: float) -> MergeOutpu
         if key not in linear:
             merged[key] = mean_tensor(models, key)
             continue
-        weight = regmean_weight([g[key] for g in grams], [model[key] for model in models], alpha)
+        with tensor_step(key, models):
+            weight = regmean_weight([g[key] for g in grams], [model[key] for model in models], alpha)
         merged[key] = weight.to(models[0][key].dtype)
     return MergeOutput(merged, {"linear_layers": sorted(linear)})
 

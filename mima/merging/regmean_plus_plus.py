@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mima.merging.common import block_depths, mean_tensor
+from mima.merging.common import block_depths, tensor_step, mean_tensor
 from mima.merging.pool import Pool
 from mima.merging.registry import DataMerge, MergeOutput, register
 from mima.merging.regmean import input_grams, regmean_weight
@@ -50,7 +50,8 @@ def regmean_plus_plus(models, base, pool: Pool, examples: int, alpha: float, blo
             grams.append(input_grams(pool, weights, task, examples))
         for key in keys:
             if all(key in task_grams for task_grams in grams):
-                weight = regmean_weight([g[key] for g in grams], [model[key] for model in models], alpha)
+                with tensor_step(key, models):
+                    weight = regmean_weight([g[key] for g in grams], [model[key] for model in models], alpha)
                 merged[key] = weight.to(models[0][key].dtype)
                 linear.append(key)
     return MergeOutput(merged, {"linear_layers": linear, "blocks": len(set(depths.values()))})

@@ -47,8 +47,9 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from mima.core.errors import MimaError
+from mima.core.linalg import svd
 from mima.merging.catalogue import DEFAULT_SVC_MATRIX_KEYS
-from mima.merging.common import is_matrix_key
+from mima.merging.common import is_matrix_key, tensor_step
 from mima.merging.registry import (
     HYPERPARAMETERS,
     MERGE_METHODS,
@@ -134,7 +135,8 @@ def validate(values: Mapping[str, object], spell: Spell = _plain) -> None:
 # ---------------------------------------------------------------------------- calibration
 def calibrate(merged: torch.Tensor, taus: list[torch.Tensor], alpha: float) -> torch.Tensor:
     """U diag(s / mean_t max(alpha, c_t)) V^T of the merged task matrix (float64)."""
-    u, s, vh = torch.linalg.svd(merged.double(), full_matrices=False)
+    decomposition = svd(merged, dtype=torch.float64)
+    u, s, vh = decomposition.u, decomposition.s, decomposition.vh
     merged_responses = u.T @ merged.double()  # row r: a_r
     floors = torch.zeros_like(s)
     for tau in taus:
@@ -164,7 +166,9 @@ def _calibrated(items: Iterator, models, base, alpha: float, matrix_keys: str):
             continue
         reference = anchor.double()
         taus = [model[key].double() - reference for model in models]
-        yield key, (reference + calibrate(merged.double() - reference, taus, alpha)).to(anchor.dtype)
+        with tensor_step(key, models, base):
+            calibrated = calibrate(merged.double() - reference, taus, alpha)
+        yield key, (reference + calibrated).to(anchor.dtype)
 
 
 class SingularValueCalibration(StreamingMerge):

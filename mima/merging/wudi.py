@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
+from mima.core.linalg import require_finite
 from mima.merging.catalogue import EVERY_MATRIX
-from mima.merging.common import is_matrix_key, task_vectors_by_key
+from mima.merging.common import is_matrix_key, tensor_step, task_vectors_by_key
 from mima.merging.registry import StreamingMerge, register
 
 
@@ -50,6 +51,9 @@ def wudi_gradient_terms(taus: list[torch.Tensor]) -> tuple[torch.Tensor, torch.T
         gram = tau.T @ tau / squared_norm
         gram_sum += gram
         target += tau @ gram
+    # one NaN or Inf (an input's, or an overflow) would make every entry of the merged matrix NaN
+    require_finite(gram_sum, "Gram matrix")
+    require_finite(target, "Gram matrix")
     return gram_sum, target
 
 
@@ -72,7 +76,8 @@ def wudi(models, base, steps: int, lr: float, matrix_keys: str = EVERY_MATRIX):
             yield key, anchor.clone()
             continue
         if is_matrix_key(key, anchor, matrix_keys):
-            merged = wudi_matrix(taus, steps, lr)
+            with tensor_step(key, models, base):
+                merged = wudi_matrix(taus, steps, lr)
         else:
             merged = torch.stack(taus).mean(dim=0)
         yield key, (anchor.float() + merged).to(anchor.dtype)
