@@ -36,9 +36,6 @@ class Node:
     text: str
     children: list[Node] = field(default_factory=list)
 
-    def find(self, prefix: str) -> Node | None:
-        return next((child for child in self.children if child.text.startswith(prefix)), None)
-
     def flat(self) -> str:
         """This line and every line below it, on one line."""
         return " ".join([self.text, *(child.flat() for child in self.children)]).strip()
@@ -88,7 +85,7 @@ def block_text(nodes: list[Node], key: str) -> str:
     expected = EXPECTED.match(first.text)
     if expected is not None:
         given = expected["given"] if expected["given"] is not None else given_value(nodes)
-        return f"{prefix(key)}{shown(given, None)} is not {' or '.join(type_words(expected['type']))}"
+        return f"{prefix(key)}{shown(given, None)} is not {alternatives(type_words(expected['type']))}"
     return prefix(key) + " ".join(node.flat() for node in nodes)
 
 

@@ -36,6 +36,7 @@ measured by mima.training.plan_probes; the text and JSON are mima.training.plan_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -188,9 +189,8 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint, measured: FileMeasu
     processes_per_node = world // inputs.num_nodes
     return RunPlan(
         world_size=world, num_nodes=inputs.num_nodes, processes_per_node=processes_per_node,
-        tasks_per_process=[names for tasks, count in groups for names in [[inputs.tasks[t] for t in tasks]] * count],
-        steps_per_phase=[steps for tasks, count in groups
-                         for steps in [group_phase_steps(inputs.task_lengths, tasks, 0)] * count],
+        tasks_per_process=per_process(groups, lambda tasks: [inputs.tasks[t] for t in tasks]),
+        steps_per_phase=per_process(groups, lambda tasks: group_phase_steps(inputs.task_lengths, tasks, 0)),
         utilisation=utilisation(budgets, world), better_world_sizes=better_world_sizes(budgets, world),
         device_memory_per_process=sum(device.values()), device_memory_parts=device,
         host_memory_per_process=sum(host.values()), host_memory_parts=host,
@@ -212,6 +212,11 @@ def process_groups(layout: TaskLayout) -> list[tuple[tuple[int, ...], int]]:
     if layout.world_size <= layout.num_tasks:
         return [(layout.local_tasks(rank), 1) for rank in range(layout.world_size)]
     return [((task,), layout.replicas) for task in range(layout.num_tasks)]
+
+
+def per_process(groups: list[tuple[tuple[int, ...], int]], value: Callable[[tuple[int, ...]], Any]) -> list:
+    """`value` of each process in rank order, computed once per group (a group's processes share it)."""
+    return [item for tasks, count in groups for item in [value(tasks)] * count]
 
 
 def group_phase_steps(lengths, tasks: tuple[int, ...], phase: int) -> int:
