@@ -8,8 +8,15 @@ from pathlib import Path
 
 from mima.commands.common import OneLineParser, frozen_options
 from mima.config.defaults import AUTO, DEVICES_DEFAULT, NUM_NODES_DEFAULT
+from mima.config.fit_options import PROCESS_COUNT
 from mima.config.source import check_config_source
 from mima.core.errors import MimaError
+
+
+COUNT_FLAGS = {"devices": "--trainer.devices", "num_nodes": "--trainer.num_nodes", "batch_size": "--data.batch_size",
+               "iterations": "--model.iterations"}
+PROCESS_FLAGS = {"devices": ("--trainer.devices", "processes per node"), "num_nodes": ("--trainer.num_nodes", "nodes")}
+DEVICE_MEMORY_MAX_GIB = 2**30  # a GiB count beyond any device (an exbibyte): the plan's byte counts stay integers
 
 
 @dataclass(frozen=True)
@@ -55,14 +62,17 @@ def parse(argv: Sequence[str]) -> PlanOptions:
                         "the plan says whether the run fits it")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes as integers)")
     options = parser.parse_args(argv)
-    for name in ("devices", "num_nodes", "batch_size", "iterations"):
+    for name, flag in COUNT_FLAGS.items():
         value = getattr(options, name)
         if value is not None and value < 1:
-            flag = {"devices": "--trainer.devices", "num_nodes": "--trainer.num_nodes", "batch_size": "--data.batch_size",
-                    "iterations": "--model.iterations"}[name]
             parser.error(f"{flag} {value}: expected a positive number")
-    if options.device_memory is not None and not options.device_memory > 0:
-        parser.error(f"--device-memory {options.device_memory}: expected a positive number of GiB")
+    for name, (flag, what) in PROCESS_FLAGS.items():  # as `mima fit` bounds them (mima.config.fit_options)
+        value = getattr(options, name)
+        if value is not None and value > PROCESS_COUNT.upper():
+            parser.error(f"{flag} {value}: expected at most {PROCESS_COUNT.upper()} {what}")
+    memory = options.device_memory
+    if memory is not None and not 0 < memory <= DEVICE_MEMORY_MAX_GIB:  # NaN and inf fail too
+        parser.error(f"--device-memory {memory}: expected a positive number of GiB, at most {DEVICE_MEMORY_MAX_GIB}")
     return frozen_options(PlanOptions, options)
 
 

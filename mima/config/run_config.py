@@ -24,6 +24,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from mima.core.errors import MimaError
 from mima.config.model import ModelSettings
+from mima.config.parse_errors import config_error_text
 from mima.config.source import check_config_source, check_run_values, config_mapping, read_config_file
 from mima.core.run_folder import RunFolder
 from mima.data.settings import DataSettings
@@ -120,12 +121,3 @@ def parse_run_config(raw: Mapping, source: str = "config") -> RunConfig:
     ModelSettings(**config.model_args())
     DataSettings(**config.data_args())
     return config
-
-
-def config_error_text(exc: BaseException) -> str:
-    """jsonargparse's message on one line: 'Parser key "model.steps": Expected a <class 'int'>. Got value: x'."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    text = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
-    return text if len(text) <= 400 else text[:400] + " ..."

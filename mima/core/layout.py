@@ -63,6 +63,14 @@ class TaskLayout:
         work = tuple(self.work) or (1,) * t
         object.__setattr__(self, "dealt", deal_tasks(work, w) if w <= t else ())
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse, in one line, a batch that the processes sharing a task cannot split evenly (a
+        process would get a fraction of an example, or none: more processes than the batch has)."""
+        if batch_size % self.replicas:
+            raise MimaError(
+                f"data.batch_size={batch_size} does not split evenly over the {self.replicas} processes that share each task"
+            )
+
     @property
     def replicas(self) -> int:
         """Processes per task (R)."""

@@ -2,7 +2,8 @@
 
 The machine: this process's resident memory (the interpreter with the fit stack imported), the memory
 of the device a process would train on (the first GPU's, or the machine's for the CPU), the GPU's
-name (its peak FLOP/s), whether a `trainer:` section trains on a GPU here, and whether tensorboard is
+name (its peak FLOP/s), whether a `trainer:` section trains on a GPU here (or asks for a device this
+machine lacks: accelerator_refusal, checked by `mima fit` before anything is built), and whether tensorboard is
 installed (it adds event files to the logs). Torch: the bytes torch.save writes for a process's
 random states, and the size of a task's AdamW moments as a .safetensors file (the file format's
 header, mima.models.footprint.safetensors_file_bytes). The arithmetic they feed:
@@ -58,6 +59,39 @@ def trains_on_gpu(trainer) -> bool:
     if name.lower() == "auto":
         return torch.cuda.is_available()
     return name.lower() in ("gpu", "cuda")
+
+
+def cuda_device_count() -> int:
+    """The CUDA GPUs torch can use here (0 without CUDA, or with a CUDA build but no driver)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def machine_devices() -> str:
+    """What this machine offers torch, for a line that refuses a device it lacks."""
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+    count = cuda_device_count()
+    gpus = f"{count} CUDA GPU{'s' if count != 1 else ''}" if count else "no CUDA GPU"
+    others = "Apple MPS and the CPU" if torch.backends.mps.is_available() else "only the CPU"
+    return f"this machine has {gpus}{'' if count else ', ' + others} (torch {torch.__version__}, {build})"
+
+
+def accelerator_refusal(trainer) -> str | None:
+    """Why this machine cannot train as a `trainer:` section (a mapping) asks, in one line naming the
+    option and what the machine has, before anything is built (Lightning refuses the same later, in
+    a traceback); None where it can, or where Lightning itself decides (auto, an Accelerator object)."""
+    accelerator = trainer.get("accelerator")
+    name = accelerator.strip().lower() if isinstance(accelerator, str) else "auto"
+    fix = "use --trainer.accelerator cpu (or auto, which takes a GPU where there is one)"
+    if name in ("gpu", "cuda") and not cuda_device_count():
+        return f"trainer.accelerator={accelerator!r}: {machine_devices()}; {fix}"
+    if name == "mps" and not torch.backends.mps.is_available():
+        return f"trainer.accelerator={accelerator!r}: {machine_devices()}; {fix}"
+    devices = trainer.get("devices")
+    wanted = int(devices) if isinstance(devices, int | str) and str(devices).isdigit() else None
+    if name in ("gpu", "cuda") and wanted is not None and wanted > cuda_device_count():
+        return (f"trainer.devices={wanted} with trainer.accelerator={accelerator!r}: {machine_devices()}; "
+                f"give --trainer.devices {cuda_device_count()} or fewer")
+    return None
 
 
 def tensorboard_installed() -> bool:

@@ -36,11 +36,12 @@ measured by mima.training.plan_probes; the text and JSON are mima.training.plan_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mima.core.errors import MimaError
-from mima.core.layout import TaskLayout, allowed_world_sizes
+from mima.core.layout import TaskLayout
 from mima.training.plan_choices import (
     COMPILED_STEP_OVERHEAD_S,
     STEP_OVERHEAD_S,
@@ -172,8 +173,9 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint, measured: FileMeasu
                         f"{inputs.num_nodes} nodes")
     budgets = tuple(map(sum, inputs.task_lengths))
     layout = TaskLayout(num_tasks, world, budgets)
-    owned = [list(layout.local_tasks(rank)) for rank in range(world)]
-    most_tasks = max(map(len, owned))
+    layout.check_batch(inputs.batch_size)  # as `mima fit` refuses it: a process gets a whole share of the batch
+    groups = process_groups(layout)
+    most_tasks = max(len(tasks) for tasks, _ in groups)
     per_process_batch = inputs.batch_size // layout.replicas
     keep = inputs.optimizer_state == "keep"
     device = device_memory_parts(inputs, footprint, per_process_batch)
@@ -187,8 +189,8 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint, measured: FileMeasu
     processes_per_node = world // inputs.num_nodes
     return RunPlan(
         world_size=world, num_nodes=inputs.num_nodes, processes_per_node=processes_per_node,
-        tasks_per_process=[[inputs.tasks[t] for t in ts] for ts in owned],
-        steps_per_phase=layout.phase_steps(inputs.task_lengths, 0),
+        tasks_per_process=per_process(groups, lambda tasks: [inputs.tasks[t] for t in tasks]),
+        steps_per_phase=per_process(groups, lambda tasks: group_phase_steps(inputs.task_lengths, tasks, 0)),
         utilisation=utilisation(budgets, world), better_world_sizes=better_world_sizes(budgets, world),
         device_memory_per_process=sum(device.values()), device_memory_parts=device,
         host_memory_per_process=sum(host.values()), host_memory_parts=host,
@@ -204,6 +206,24 @@ def make_plan(inputs: PlanInputs, footprint: ModelFootprint, measured: FileMeasu
     )
 
 
+def process_groups(layout: TaskLayout) -> list[tuple[tuple[int, ...], int]]:
+    """Each kind of process in rank order, as (its tasks, how many processes): with W > T a task
+    group's R processes step alike, so the plan's arithmetic is done once per group, never per process."""
+    if layout.world_size <= layout.num_tasks:
+        return [(layout.local_tasks(rank), 1) for rank in range(layout.world_size)]
+    return [((task,), layout.replicas) for task in range(layout.num_tasks)]
+
+
+def per_process(groups: list[tuple[tuple[int, ...], int]], value: Callable[[tuple[int, ...]], Any]) -> list:
+    """`value` of each process in rank order, computed once per group (a group's processes share it)."""
+    return [item for tasks, count in groups for item in [value(tasks)] * count]
+
+
+def group_phase_steps(lengths, tasks: tuple[int, ...], phase: int) -> int:
+    """The steps in `phase` of a process holding `tasks` (one after another)."""
+    return sum(lengths[task][phase] for task in tasks)
+
+
 def utilisation(budgets: tuple[int, ...], world_size: int) -> float:
     """The share of process time spent stepping: every process waits at each sync for the one with
     the most steps (a task group's processes all step together)."""
@@ -217,9 +237,13 @@ def utilisation(budgets: tuple[int, ...], world_size: int) -> float:
 def better_world_sizes(budgets: tuple[int, ...], world_size: int) -> list[int]:
     """W values that waste less than `world_size`, up to four: the least wasteful and nearest to it
     chosen first, shown in increasing order."""
-    usage = utilisation(budgets, world_size)
-    candidates = [w for w in allowed_world_sizes(len(budgets), max(2 * world_size, len(budgets)))
-                  if utilisation(budgets, w) > usage + 1e-9]
+    usage, num_tasks = utilisation(budgets, world_size), len(budgets)
+    largest = max(2 * world_size, num_tasks)
+    # the multiples of T beyond T all waste alike (task groups): of them only the four nearest W can be chosen
+    nearest_multiple = world_size // num_tasks
+    multiples = range(max(2, nearest_multiple - 4), min(largest // num_tasks, nearest_multiple + 5) + 1)
+    sizes = [*range(1, min(num_tasks, largest) + 1), *(num_tasks * m for m in multiples)]
+    candidates = [w for w in sizes if utilisation(budgets, w) > usage + 1e-9]
     nearest = sorted(candidates, key=lambda w: (-round(utilisation(budgets, w), 9), abs(w - world_size), w))
     return sorted(nearest[:4])
 
@@ -280,7 +304,9 @@ def estimated_timing(inputs: PlanInputs, footprint: ModelFootprint, layout: Task
     # forward and backward (twice the forward), one more forward where checkpointing recomputes
     passes = 4 if inputs.grad_checkpointing else 3
     flops = passes * footprint.forward_flops_per_example * per_process_batch * inputs.accumulate
-    slowest = [max(layout.phase_steps(inputs.task_lengths, phase)) for phase in range(inputs.iterations)]
+    groups = process_groups(layout)
+    slowest = [max(group_phase_steps(inputs.task_lengths, tasks, phase) for tasks, _ in groups)
+               for phase in range(inputs.iterations)]
     return step_timing(flops, inputs.device_name, inputs.precision, slowest, inputs.compiled)
 
 
@@ -303,13 +329,13 @@ def checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep:
     schedule saves at the syncs the estimated `timing` reaches after each interval (every sync
     without an estimate)."""
     world, iterations = layout.world_size, len(lengths[0])
-    owned = [len(layout.local_tasks(rank)) for rank in range(world)]
+    groups = process_groups(layout)
     later = iterations - 1  # phases with a later one: their averages and moments can be needed
     if schedule.kind == "never":
         return {}
     if schedule.kind == "segment":
-        saves = sum(tasks * iterations - 1 for tasks in owned)
-        segments = sum(tasks - 1 for tasks in owned) * later if world <= layout.num_tasks else 0
+        saves = sum(count * (len(tasks) * iterations - 1) for tasks, count in groups)
+        segments = sum(len(tasks) - 1 for tasks, _ in groups) * later if world <= layout.num_tasks else 0
         saved_syncs, inline = later, 0
     elif schedule.kind == "seconds" and timing is not None:
         saved_syncs = time_saves(timing.phase_s, schedule.amount)
@@ -320,7 +346,7 @@ def checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep:
         saves, segments, inline = world * saved_syncs, 0, 0
     else:  # every n process steps and at every sync; a save inside a segment holds the encoder and its moments
         saved_syncs, segments = later, 0
-        inline = sum(inline_saves(phase_ends(layout, lengths, rank), int(schedule.amount)) for rank in range(world))
+        inline = sum(count * inline_saves(phase_ends(lengths, tasks), int(schedule.amount)) for tasks, count in groups)
         saves = world * saved_syncs
     counts = {"states": saves, "segments": segments, "averages": saved_syncs,
               "moments": layout.num_tasks * saved_syncs if keep else 0}
@@ -329,19 +355,21 @@ def checkpoint_counts(layout: TaskLayout, lengths, schedule: SaveSchedule, keep:
     return counts
 
 
-def phase_ends(layout: TaskLayout, lengths, rank: int) -> list[int]:
-    """The process steps at which process `rank`'s phases end (its syncs; the last is its last step)."""
+def phase_ends(lengths, tasks: tuple[int, ...]) -> list[int]:
+    """The process steps at which the phases of a process holding `tasks` end (its syncs; the last is
+    its last step)."""
     ends, total = [], 0
     for phase in range(len(lengths[0])):
-        total += layout.phase_steps(lengths, phase)[rank]
+        total += group_phase_steps(lengths, tasks, phase)
         ends.append(total)
     return ends
 
 
 def inline_saves(phase_ends: list[int], every: int) -> int:
-    """Saves every `every` process steps that do not fall on a sync (those are counted as states)."""
+    """Saves every `every` process steps that do not fall on a sync (those are counted as states):
+    the multiples of `every` before the last step, less the syncs among them (counted, not walked)."""
     last = phase_ends[-1]
-    return sum(1 for step in range(every, last, every) if step not in phase_ends)
+    return (last - 1) // every - sum(1 for end in set(phase_ends) if end < last and end % every == 0)
 
 
 def bytes_written_parts(inputs: PlanInputs, layout: TaskLayout, files: dict[str, int],
@@ -369,9 +397,9 @@ def metrics_bytes(num_tasks: int, iterations: int) -> int:
 
 def log_bytes(layout: TaskLayout, lengths, tensorboard: bool) -> int:
     """Each process's logs/: a CSV row per step (its loss) and, with tensorboard installed, its events."""
-    steps = [phase_ends(layout, lengths, rank)[-1] for rank in range(layout.world_size)]
+    steps = sum(count * phase_ends(lengths, tasks)[-1] for tasks, count in process_groups(layout))
     per_step = CSV_ROW_BYTES + len(lengths) + (TENSORBOARD_STEP_BYTES if tensorboard else 0)
-    return sum(steps) * per_step
+    return steps * per_step
 
 
 def peak_disk(files: dict[str, int], counts: dict[str, int], layout: TaskLayout, num_tasks: int, keep: bool,
@@ -383,7 +411,7 @@ def peak_disk(files: dict[str, int], counts: dict[str, int], layout: TaskLayout,
     if not counts:
         checkpoints = 0
     else:
-        per_phase_segments = sum(len(layout.local_tasks(rank)) - 1 for rank in range(layout.world_size)) \
+        per_phase_segments = sum(len(tasks) - 1 for tasks, _ in process_groups(layout)) \
             if layout.world_size <= num_tasks else 0
         writers = min(layout.world_size, num_tasks)
         checkpoints = (2 * files["weights"] + 2 * per_phase_segments * files["weights"]

@@ -21,8 +21,12 @@ the task losses. Here:
   * W&B's service keeps the rows it is sent in memory until the run finishes, so a SIGKILL of the job
     loses them: rows sent to it are also kept in an outbox in the run folder until its run has been
     finished, and a resume sends again those of a killed attempt;
-  * a tracker that fails (no network, a bad key, a full disk) costs one warning line and is dropped
-    for the rest of the run; training, the checkpoints and the CSV logs go on untouched.
+  * a tracker that cannot be made (its class refuses the config's arguments: a tracking URI of an
+    unknown scheme, a store path that is a file, MLflow 3's file store without its switch) refuses the
+    run before training, in one line naming trainer.logger, the class and the library's message;
+    mima's own default MLflow store (RUN/mlruns) is made with that switch on;
+  * a tracker that fails once made (no network, a bad key, a full disk) costs one warning line and is
+    dropped for the rest of the run; training, the checkpoints and the CSV logs go on untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from typing_extensions import override
 
+from mima.config.parse_errors import construction_refusal
 from mima.core.bounded_json import read_text_bounded
 from mima.core.run_folder import RunFolder
 from mima.training.averaging import distributed_world
@@ -48,6 +53,7 @@ from mima.training.phase_view import PhaseView
 from mima.training.rank_logger import METRICS_FILE, read_metrics_csv
 
 MAX_OUTBOX_BYTES = 1 << 30  # a run's rows since its trackers last finished (tens of MB for a long run)
+MLFLOW_FILE_STORE_SWITCH = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3 refuses a file store without it
 PER_PROCESS_PREFIX = "sync/"  # metrics each process logs of itself: sent under the process's rank
 Row = tuple[int, int, dict[str, float]]  # (step, rank, metrics)
 
@@ -121,8 +127,16 @@ def build_trackers(entries: Sequence[Mapping[str, Any]], run_dir: Path, record: 
     for entry in entries:
         module, _, name = str(entry["class_path"]).rpartition(".")
         init_args = dict(entry.get("init_args") or {})
-        arguments = {**init_args, **run_local_defaults(name, init_args, run_dir), **resume_arguments(name, record.get(name, {}))}
-        trackers.append(getattr(importlib.import_module(module), name)(**arguments))
+        local = run_local_defaults(name, init_args, run_dir)
+        if name == "MLFlowLogger" and "save_dir" in local:
+            # mima's own default store is a file store, which MLflow 3 keeps behind a switch (its database
+            # stores need the full `mlflow` package); a store the config names is left to the user's switch
+            os.environ.setdefault(MLFLOW_FILE_STORE_SWITCH, "true")
+        arguments = {**init_args, **local, **resume_arguments(name, record.get(name, {}))}
+        try:
+            trackers.append(getattr(importlib.import_module(module), name)(**arguments))
+        except Exception as exc:  # the tracker's own refusal of its arguments, whatever its type
+            raise construction_refusal("trainer.logger", str(entry["class_path"]), exc) from None
     return trackers
 
 

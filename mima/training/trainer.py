@@ -69,10 +69,7 @@ def budget_summary(tasks: list[str], task_lengths, layout: TaskLayout) -> str:
 def check_layout(num_tasks: int, world_size: int, batch_size: int, work: tuple[int, ...] = ()) -> TaskLayout:
     """The process layout of T tasks on W processes, refused (one line) where it cannot work."""
     layout = TaskLayout(num_tasks, world_size, work)
-    if batch_size % layout.replicas:
-        raise MimaError(
-            f"data.batch_size={batch_size} does not split evenly over the {layout.replicas} processes that share each task"
-        )
+    layout.check_batch(batch_size)
     return layout
 
 

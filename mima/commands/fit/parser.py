@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
 from mima.commands.common import suggest_option
-from mima.config.run_config import config_error_text
+from mima.config.parse_errors import config_error_text
 from mima.core.errors import MimaError
 from mima.services.fit.program import FitProgram, build_program
 from mima.services.fit.config import NO_CONFIG_FILE

@@ -79,6 +79,7 @@ class FitRun:
         self.task_lengths: list = []  # each task's phase lengths, set by check_inputs
         self.run_start = RunStart()  # where this attempt starts: filled once before trainer.fit
         self.checkpoint: MimaCheckpoint | None = None
+        self.tracker_loggers: list = []  # the trackers trainer.logger names, made by check_inputs
         self.trainer: Trainer | None = None
 
     def check_inputs(self) -> None:
@@ -87,6 +88,9 @@ class FitRun:
         if global_rank() == 0:  # before the Trainer exists, so a refusal is the only thing printed
             RunFolder(self.run_dir).check_target(resuming=self.options.ckpt_path is not None, overwrite=self.options.overwrite)
         self.data_changes = self.check_data_listing()  # a changed task folder: refused before anything is built
+        # a tracker that refuses its arguments: one line, before the plan is printed (a later refusal may
+        # leave behind the store a tracker made, e.g. MLflow's RUN/mlruns; the run's own files are not yet written)
+        self.tracker_loggers = self.trackers(trainer_config.get("logger"))
         self.checkpoint_every = choose_checkpoint_every(self.options.checkpoint_every, trains_on_gpu(trainer_config))
         # each task's phase lengths: a map of budgets that does not name exactly the run's tasks is refused here
         self.task_lengths = self.model.settings.task_lengths(self.datamodule.task_names)
@@ -111,7 +115,7 @@ class FitRun:
         arguments["strategy"] = build_strategy(self.settings.trainer_arguments.get("strategy"), self.num_tasks(),
                                                self.task_work(), self.options.collective_timeout, stop, self.run_start)
         logger_setting = trainer_config.get("logger")
-        trackers, relay = self.trackers(logger_setting), TrackerRelay()
+        trackers, relay = self.tracker_loggers, TrackerRelay()
         if logger_setting in (None, True) or trackers:  # the per-process files always; trackers through the relay
             own_logs = rank_loggers(RunFolder(self.run_dir).rank_logs_dir(global_rank()))
             arguments["logger"] = own_logs + ([relay] if trackers else [])

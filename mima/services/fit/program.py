@@ -28,17 +28,20 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jsonargparse import ArgumentError, Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from mima.config.fit_options import TRAINER_DEFAULTS, fit_arguments
-from mima.config.run_config import config_error_text
+from mima.config.parse_errors import config_error_text, library_message
 from mima.config.source import check_run_values
 from mima.core.errors import MimaError
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.services.fit.config import ConfigLayers
+from mima.services.fit.construction import named_instantiators, without_trackers
 from mima.services.fit.settings import FitSettings, RunOptions, resolve_run_dir, run_dir_fields
 from mima.training.module import MimaModule
+from mima.training.plan_probes import accelerator_refusal
 
 class FitProgram(LightningCLI):
     """`mima fit`'s options and the classes its config names, from a config mapping (or ConfigLayers);
@@ -69,8 +72,14 @@ class FitProgram(LightningCLI):
     @override
     def instantiate_classes(self) -> None:
         """The module, the datamodule and the Trainer's arguments made from the config (the Trainer
-        itself is build_trainer's, with what mima adds to it)."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        itself is build_trainer's, with what mima adds to it; its trackers are mima's to make): a class
+        that refuses its arguments is one line naming its option (mima.services.fit.construction)."""
+        # a device this machine lacks, before the model is loaded (Lightning would refuse it in a traceback)
+        refusal = accelerator_refusal(self.config.get("trainer") or {})
+        if refusal is not None:
+            raise MimaError(refusal)
+        self.config_init = self.parser.instantiate(without_trackers(self.config),
+                                                   instantiators=named_instantiators(self.config))
         self.model = self.config_init["model"]
         self.datamodule = self.config_init["data"]
 
@@ -109,9 +118,11 @@ def build_program(args: Any, program: type[FitProgram] = FitProgram) -> FitProgr
 def config_errors() -> Iterator[None]:
     """jsonargparse's errors, and the ValueError it (or a class the config names) raises while the
     config's classes and the Trainer are made, as one line ("config: ..."); a MimaError it wraps, as
-    itself."""
+    itself; Lightning's refusal of the Trainer's arguments, as one line ("trainer: ...")."""
     try:
         yield
+    except MisconfigurationException as exc:
+        raise MimaError(f"trainer: {library_message(exc)}") from None
     except ArgumentError as exc:
         raise MimaError(f"config: {config_error_text(exc)}") from None
     except ValueError as exc:
