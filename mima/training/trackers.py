@@ -115,7 +115,7 @@ def run_local_defaults(class_name: str, init_args: Mapping[str, Any], run_dir: P
     if class_name == "WandbLogger" and init_args.get("save_dir") in (None, ".") and not init_args.get("dir"):
         return {"save_dir": str(run_dir)}
     if class_name == "MLFlowLogger" and init_args.get("save_dir") in (None, "./mlruns") and not init_args.get("tracking_uri"):
-        return {"save_dir": str(run_dir / "mlruns")}
+        return {"save_dir": str(RunFolder(run_dir).mlflow_store)}
     return {}
 
 
