@@ -114,12 +114,17 @@ CLASS_CASES = {
 }
 
 
+def refused_fit(tmp_path, small_clip, capfd, options):
+    """`mima fit` of the small CLIP with `options`, which must leave tmp_path as it was."""
+    path = config_file(tmp_path, small_clip)
+    with unchanged(tmp_path):
+        return cli(["fit", "--config", path, "--out", tmp_path / "run", *options], capfd)
+
+
 @pytest.mark.parametrize("case", list(CLASS_CASES))
 def test_a_class_the_config_names_that_refuses_its_arguments_is_one_line(tmp_path, small_clip, capfd, case):
     options, fragments = CLASS_CASES[case]
-    path = config_file(tmp_path, small_clip)
-    with unchanged(tmp_path):
-        outcome = cli(["fit", "--config", path, "--out", tmp_path / "run", *options], capfd)
+    outcome = refused_fit(tmp_path, small_clip, capfd, options)
     assert_one_line(outcome.code, outcome.err, *(f"mima fit: error: {fragments[0]}", *fragments[1:]))
 
 
@@ -138,9 +143,7 @@ VALUE_CASES = {
 @pytest.mark.parametrize("case", list(VALUE_CASES))
 def test_a_refused_value_says_what_was_given_and_what_is_expected(tmp_path, small_clip, capfd, case):
     options, line = VALUE_CASES[case]
-    path = config_file(tmp_path, small_clip)
-    with unchanged(tmp_path):
-        outcome = cli(["fit", "--config", path, "--out", tmp_path / "run", *options], capfd)
+    outcome = refused_fit(tmp_path, small_clip, capfd, options)
     assert assert_one_line(outcome.code, outcome.err) == f"mima fit: error: {line}"
 
 

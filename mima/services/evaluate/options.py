@@ -5,10 +5,10 @@ Imports nothing heavy: the command's parser builds these options before torch lo
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mima.core.spelling import check_device_spelling
 from mima.services.arguments import names_of, path_of, paths_of, switch_of
@@ -92,21 +92,22 @@ def chosen(flag: str, value: object, choices: Sequence[str]) -> str | None:
     parser_error(f"argument {flag}: invalid choice: {str(value)!r} (choose from {', '.join(map(repr, choices))})")
 
 
-def whole_number(flag: str, value: object) -> int | None:
-    """`value` read as the parser reads the word (int of its text); None: the option not given."""
+def read_word(flag: str, value: object, read: Callable[[str], Any], mistake: Callable[[ValueError], str]) -> Any:
+    """`value` read from its text as the parser reads the word (None: the option not given); a word
+    `read` refuses is the parser's line, `mistake` saying what is wrong with it."""
     if value is None:
         return None
     try:
-        return int(str(value))
-    except ValueError:
-        parser_error(f"argument {flag}: invalid int value: {str(value)!r}")
+        return read(str(value))
+    except ValueError as problem:
+        parser_error(f"argument {flag}: {mistake(problem)}")
+
+
+def whole_number(flag: str, value: object) -> int | None:
+    """`value` read as the parser reads the word (int of its text); None: the option not given."""
+    return read_word(flag, value, int, lambda _: f"invalid int value: {str(value)!r}")
 
 
 def spelled_device(flag: str, value: object) -> str | None:
     """A device spelled as the command spells it (whether this machine has it: when the merges run)."""
-    if value is None:
-        return None
-    try:
-        return check_device_spelling(str(value))
-    except ValueError as problem:
-        parser_error(f"argument {flag}: {problem}")
+    return read_word(flag, value, check_device_spelling, str)
