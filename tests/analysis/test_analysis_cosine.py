@@ -14,7 +14,7 @@ from mima.cli import main
 from mima.models.clip import load_clip
 from mima.core.run_folder import RunFolder
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "rot180", "mirror"]
 

@@ -19,7 +19,7 @@ from mima.cli import main
 from mima.pools import task_pool
 from mima.core.run_folder import RunFolder
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 ALPHAS = [0.25, 0.5, 0.75]
 
@@ -141,7 +141,7 @@ def test_a_timm_resnet_tower_is_measured_at_its_stages_with_batchnorm_statistics
     import open_clip
 
     from mima.analysis.ctl.compute import tower_layers
-    from tests.conftest import BATCHNORM_CLIP_CFG
+    from tests.helpers import BATCHNORM_CLIP_CFG
 
     torch.manual_seed(0)
     tower = open_clip.CLIP(**BATCHNORM_CLIP_CFG).visual

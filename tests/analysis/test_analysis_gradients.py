@@ -32,7 +32,7 @@ from mima.analysis.gradients.compute import (
 from mima.cli import main
 from mima.data.tasks import TaskData
 from mima.pools import task_pool
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "mirror"]
 EXAMPLES = 32

@@ -24,7 +24,7 @@ from mima.pools import task_pool
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "rot180", "mirror"]
 PAIR = ("rot90", "rot180")

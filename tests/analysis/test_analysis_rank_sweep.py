@@ -17,7 +17,7 @@ from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import mean_state_dict
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 KEY = "blocks.0.attn.out_proj.weight"  # matches the default matrix keys
 

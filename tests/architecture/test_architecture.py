@@ -239,12 +239,14 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def cross_test_imports(sources: dict[str, str]) -> list[str]:
-    """Test files that import another test file (`tests.test_x`, `from tests import test_x`, `.test_x`,
-    anywhere in the file), one line each: what several test files share belongs in tests/helpers.py or
-    a fixture in tests/conftest.py, so that no test depends on another test file's private helpers."""
+    """Test files that import another test file or the conftest (`tests.test_x`, `from tests import
+    test_x`, `.test_x`, `tests.conftest`, anywhere in the file), one line each: what several test files
+    share belongs in tests/helpers.py (functions and values, imported) or is a fixture of
+    tests/conftest.py (which pytest hands to the tests that name it), so that no test depends on another
+    test file's private helpers."""
 
     def is_test_module(module: str) -> bool:
-        return any(part.startswith("test_") for part in module.split("."))
+        return any(part.startswith("test_") or part == "conftest" for part in module.split("."))
 
     problems = set()
     for name, source in sources.items():
@@ -257,7 +259,7 @@ def cross_test_imports(sources: dict[str, str]) -> list[str]:
                     problems.add(f"{name} imports {module}")
                 else:  # from tests import test_x
                     problems.update(f"{name} imports {module}.{alias.name}" for alias in node.names
-                                    if alias.name.startswith("test_"))
+                                    if is_test_module(alias.name))
     return sorted(problems)
 
 
@@ -269,10 +271,14 @@ def test_no_test_file_imports_another():
     sources["test_report.py"] = "from tests import test_run_lock\n" + sources["test_report.py"]
     sources["test_joint.py"] = "import tests.test_distributed as distributed\n" + sources["test_joint.py"]
     sources["test_splits.py"] += "\n\nfrom .test_real_tasks import SIZE\n"
+    sources["test_seeds.py"] += "\n\nfrom tests.conftest import SMALL_CLIP_CFG\n"
+    sources["test_study.py"] = "from tests import conftest\n" + sources["test_study.py"]
     assert cross_test_imports(sources) == ["test_cli.py imports tests.test_hostile_inputs",
                                            "test_joint.py imports tests.test_distributed",
                                            "test_report.py imports tests.test_run_lock",
-                                           "test_splits.py imports .test_real_tasks"]
+                                           "test_seeds.py imports tests.conftest",
+                                           "test_splits.py imports .test_real_tasks",
+                                           "test_study.py imports tests.conftest"]
 
 
 # ------------------------------------------------------------------------------- the commands table

@@ -15,7 +15,7 @@ import pytest
 
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("rot90", "mirror")

@@ -36,8 +36,7 @@ from mima.training.checkpoint_format import state_writer
 from mima.training.phase_state import HostArena, HostBuffers
 from mima.training.sync import MimaSyncCallback
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
-from tests.helpers import assert_trained
+from tests.helpers import assert_trained, fit_config
 
 PATH_STEPS = ("_end_segment", "_prepare_optimizer")
 

@@ -22,7 +22,7 @@ from mima.cli import main
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS
-from tests.conftest import fit_config, merge_argv
+from tests.helpers import fit_config, merge_argv
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 

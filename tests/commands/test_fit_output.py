@@ -14,8 +14,7 @@ import yaml
 
 from mima.core.plan import PhasePlan
 from mima.training.progress import MimaLogLines
-from tests.conftest import fit_config
-from tests.helpers import TWO, assert_one_line, cli
+from tests.helpers import TWO, assert_one_line, cli, fit_config
 
 LIGHTNING_NOTES = ("GPU available", "TPU available", "HPU available", "Tip:", "litlogger", "Initializing distributed",
                    "distributed_backend", "All distributed processes registered", "Total FLOPs", "Trainable params",

@@ -16,7 +16,7 @@ import yaml
 from mima.commands.sweep import check_seeds, run_settings, run_sweep
 from mima.core.errors import MimaError
 from mima.core.run_folder import SweepFolder
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["rot90", "mirror"]

@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from mima.config.trust import TRUST_ENV, code_names
-from tests.conftest import fit_config
-from tests.helpers import REPO, TWO
+from tests.helpers import REPO, TWO, fit_config
 
 # Printed at exit by every process of the command: whether the named modules were ever imported.
 REPORT_IMPORTS = """

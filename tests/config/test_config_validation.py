@@ -18,8 +18,7 @@ from mima.core.bounded_yaml import MAX_CONFIG_BYTES, MAX_CONFIG_NODES
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
 from mima.core.settings import LIGHTNING_SEED_MAX, SEED_MAX, SYNC_LAMBDA_MAX
-from tests.conftest import fit_config
-from tests.helpers import assert_one_line, cli
+from tests.helpers import assert_one_line, cli, fit_config
 
 TASKS = ["rot90", "mirror"]
 

@@ -19,7 +19,7 @@ from mima.pools import model_pool
 from mima.training.module import MimaModule
 from mima.config.run_config import load_run_config
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TASKS = ["rot90", "mirror"]

@@ -18,8 +18,7 @@ from open_clip.transformer import QuickGELU
 from mima.cli import main
 from mima.config.run_config import load_run_config
 from mima.core.safetensors_io import load_state_dict, read_metadata
-from tests.conftest import fit_config, write_encoders
-from tests.helpers import assert_one_line
+from tests.helpers import assert_one_line, fit_config, write_encoders
 
 TASKS = ["rot90", "mirror"]
 

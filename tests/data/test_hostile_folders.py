@@ -15,8 +15,7 @@ import yaml
 from mima.core.errors import MimaError
 from mima.data.image_folder import FolderTask, as_folder_task, folder_task_spec, read_layout, scan_splits
 from mima.data.tasks import LoadOptions
-from tests.conftest import fit_config
-from tests.helpers import assert_one_line, class_tree, cli, custom_task_fit_config, run_command
+from tests.helpers import assert_one_line, class_tree, cli, custom_task_fit_config, fit_config, run_command
 
 CLASSES = ("circle", "square")
 

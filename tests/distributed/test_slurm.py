@@ -30,8 +30,7 @@ import yaml
 from mima.core.safetensors_io import load_state_dict
 from tests.ci_mode import require
 from tests.slurm_cluster import free_port, missing_requirement, start_cluster
-from tests.conftest import fit_config
-from tests.helpers import run_job
+from tests.helpers import fit_config, run_job
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = ["rot90", "mirror"]

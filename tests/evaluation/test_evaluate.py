@@ -22,7 +22,7 @@ from mima.core.run_folder import RunFolder
 from mima.evaluation.results import ModelResult
 from mima.evaluation.results_files import read_results, write_results
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "mirror"]
 

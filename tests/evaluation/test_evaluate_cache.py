@@ -27,8 +27,7 @@ from mima.evaluation.accuracy import EvalSettings, TaskEvaluator, models_correct
 from mima.evaluation.cache_use import CacheUse, cache_use
 from mima.evaluation.cached_batches import CachedBatches
 from mima.pools import task_pool
-from tests.conftest import fit_config
-from tests.helpers import assert_one_line, cli
+from tests.helpers import assert_one_line, cli, fit_config
 
 SIZE = 12
 DIGIT_TASKS = ("rot90", "mirror")  # two of the demo's four tasks

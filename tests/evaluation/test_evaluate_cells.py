@@ -20,8 +20,7 @@ from mima.services.evaluate.dealing import Unit, deal
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_checked_cells
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
-from tests.helpers import cli, run_command
+from tests.helpers import cli, fit_config, run_command
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic", "ties"]  # 1 + 21 + 21 merged models per run: long enough to stop

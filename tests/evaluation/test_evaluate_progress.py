@@ -16,8 +16,7 @@ from mima.services.evaluate.dealing import deal, plan_units
 from mima.services.evaluate.evaluation import data_free_per_model, describe_evaluation
 from mima.services.evaluate.progress import CellReporter
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
-from tests.helpers import cli, run_command
+from tests.helpers import cli, fit_config, run_command
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic"]

@@ -27,7 +27,7 @@ from mima.evaluation.device import claim_device, device_index
 from mima.evaluation.loader_pool import LoaderPool
 from mima.pools import task_pool
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "rot180", "rot270", "mirror"]
 WORKERS = 2

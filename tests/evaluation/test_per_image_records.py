@@ -25,8 +25,7 @@ from mima.evaluation.cells import cell_check, manifest_fingerprint
 from mima.evaluation.statistics import pack_record, unpack_record
 from mima.models.classifier import classify
 from mima.pools import task_pool
-from tests.conftest import fit_config
-from tests.helpers import cli
+from tests.helpers import cli, fit_config
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic"]  # task_arithmetic's grid: validation cells with records too

@@ -10,7 +10,7 @@ import pytest
 from mima.cli import main
 from mima.services.evaluate.runs import evaluate_runs
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "mirror"]
 

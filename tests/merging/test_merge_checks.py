@@ -1,8 +1,8 @@
 """Each merge method checks its own inputs (MergeMethod.check): the Python API and `mima merge` refuse
 the same inputs with the same one-line message, for every registered method a rule applies to.
 
-The inputs are the small CLIP's image encoders written as safetensors files (tests/conftest.py);
-the expected messages are written out here, not built by the code under test.
+The inputs are the small CLIP's image encoders written as safetensors files (the `encoders` fixture,
+tests/conftest.py); the expected messages are written out here, not built by the code under test.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import MERGE_METHODS, get_method
 from mima.merging.engine import open_inputs
-from tests.conftest import merge_argv, poisoned
+from tests.helpers import merge_argv, poisoned
 
 MATRIX_KEYS_METHODS = sorted(name for name, method in MERGE_METHODS.items() if "matrix_keys" in method.defaults)
 MIN_TASKS_METHODS = sorted(name for name, method in MERGE_METHODS.items() if "min_tasks" in method.defaults)

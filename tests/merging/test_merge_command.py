@@ -18,6 +18,9 @@ from mima.services.merge import check_hyperparameter_flags, report_results
 from mima.services.merge_request import MergeRequest
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
 from mima.merging.selection import Selection
+from mima.commands.fit.run import run_fit
+from mima.core.run_folder import RunFolder
+from tests.helpers import fit_config
 
 
 def test_parse_gives_the_request_with_the_hyperparameters_given():
@@ -37,13 +40,19 @@ def _one_line_error(argv, capsys, tmp_path) -> str:
     return err[0]
 
 
-def test_help_lists_a_flag_for_every_declared_hyperparameter(capsys):
+def test_help_lists_every_method_and_a_flag_for_every_declared_hyperparameter(capsys):
     with pytest.raises(SystemExit) as done:
         main(["merge", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
+
+    def words(paragraph: str) -> str:  # argparse wraps lines at spaces and after hyphens
+        return " ".join(paragraph.split()).replace("- ", "-")
+
+    assert all(name in text for name in MERGE_METHODS)  # those without hyperparameters too
     for spec in HYPERPARAMETERS.values():
         assert spec.flag in text, spec.flag
+        assert words(spec.doc) in words(text), spec.doc  # what it controls, as declared
         takers = [m.name for m in MERGE_METHODS.values() if spec.name in m.defaults]
         assert takers and all(name in text for name in takers)
 
@@ -173,3 +182,36 @@ def test_the_merge_says_its_test_accuracy_and_the_files_it_wrote(tmp_path):
     assert report["test_accuracy"]["mean"] == 0.75 and report["validation_accuracy"] == 0.625
     assert lines == ["test accuracy (%): a 50.0, b 100.0; mean 75.0; validation 62.5 (the best of 2 grid points)",
                      f"wrote {tmp_path / 'm.safetensors.results.json'} and {tmp_path / 'm.safetensors.results.md'}"]
+
+
+# ---------------------------------------------------------------------------- on a run folder
+TASKS = ["rot90", "mirror"]
+
+
+def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_clip, capsys):
+    run = run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=4, iterations=2)).run_dir
+    out = tmp_path / "cart.safetensors"
+    assert main(["merge", "--method", "cart", "--models", str(run), "--output", str(out), "--select-on", "val"]) == 0
+    report = json.loads((tmp_path / "cart.safetensors.results.json").read_text())
+    trials = report["trials"]
+    assert len(trials) == 4 * 11 and report["selected_on"] == "val"
+    best = max(trials, key=lambda t: t["score"])
+    assert report["validation_accuracy"] == best["score"]
+    assert (report["hparams"]["rank_ratio"], report["hparams"]["lam"]) == (best["rank_ratio"], best["lam"])
+    assert set(report["test_accuracy"]) == {*TASKS, "mean"}
+    assert (tmp_path / "cart.safetensors.results.md").read_text().startswith("# cart")
+    out2 = tmp_path / "tall.safetensors"
+    assert main(["merge", "--method", "tall", "--models", str(run), "--output", str(out2), "--select-on", "val"]) == 0
+    tall = json.loads((tmp_path / "tall.safetensors.results.json").read_text())
+    assert len(tall["hparams"]["mask_lam"]) == 2  # one lambda per task
+    assert main(["merge", "--method", "fisher", "--models", str(run), "--output", str(tmp_path / "f.safetensors"),
+                 "--examples", "4"]) == 0
+    fisher = json.loads((tmp_path / "f.safetensors.results.json").read_text())
+    assert fisher["hparams"] == {"examples": 4} and set(fisher["notes"]["fisher_norms"]) == set(TASKS)
+    capsys.readouterr()
+    # the run's task files, not the run folder: no config comes with them
+    finals = [str(RunFolder(run).final_file(task)) for task in TASKS]
+    code = main(["merge", "--method", "adamerging", "--models", *finals, "--base",
+                 str(run / "pretrained.safetensors"), "--output", str(tmp_path / "a.safetensors")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "needs --config" in err and not (tmp_path / "a.safetensors").exists()

@@ -17,8 +17,7 @@ import torch
 import yaml
 
 from mima.cli import main
-from tests.conftest import fit_config
-from tests.helpers import run_command
+from tests.helpers import fit_config, run_command
 
 LIMIT = 4096  # bytes: above a config.yaml or a cell file, below any model or results file
 

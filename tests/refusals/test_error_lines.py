@@ -6,8 +6,7 @@ from __future__ import annotations
 import yaml
 
 from mima.commands.common import MAX_ERROR_CHARS, capped
-from tests.conftest import fit_config
-from tests.helpers import TWO, assert_one_line, cli
+from tests.helpers import TWO, assert_one_line, cli, fit_config
 
 
 def test_an_out_template_that_fills_to_a_huge_name_is_refused_naming_the_template(tmp_path, small_clip, capfd):

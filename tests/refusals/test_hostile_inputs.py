@@ -36,9 +36,9 @@ import yaml
 
 from mima.cli import main
 from mima.core.safetensors_io import load_state_dict, save_state_dict
-from tests.conftest import fit_config, merge_argv, poisoned
-from tests.helpers import (STRIPES, FailingReplace, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan,
-                           damaged_task, first_half, fit_argv, garbage_png, temporaries, tree, unchanged)
+from tests.helpers import (FailingReplace, STRIPES, assert_one_line, cli, copy_run, custom_task_fit_config, cut_jpeg_scan,
+                           damaged_task, first_half, fit_argv, fit_config, garbage_png, merge_argv, poisoned, temporaries, tree,
+                           unchanged)
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -46,7 +46,7 @@ MEMORY_BOUND = 300 * MiB  # a hostile convert may peak at most this far above a 
 
 
 # (the shared checks, `cli`, `assert_one_line`, `unchanged`, `temporaries`: tests/helpers.py)
-# (the merge inputs, `encoders`, `merge_argv` and `poisoned`, are shared: tests/conftest.py)
+# (the merge inputs are shared: the `encoders` fixture in tests/conftest.py, `merge_argv` and `poisoned` in tests/helpers.py)
 
 
 # ============================================================= 1. mima convert: crafted checkpoints

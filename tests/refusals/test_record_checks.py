@@ -29,8 +29,7 @@ from mima.core.errors import MimaError
 from mima.core.run_lock import RunLock
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.evaluation.cells import Cell, CellStore, cell_check, manifest_fingerprint
-from tests.conftest import fit_config
-from tests.helpers import assert_one_line, cli, copy_run
+from tests.helpers import assert_one_line, cli, copy_run, fit_config
 
 TASKS = ["rot90", "mirror"]
 

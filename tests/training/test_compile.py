@@ -19,8 +19,7 @@ from mima.commands.fit.run import run_fit
 from mima.config.model import ModelSettings
 from mima.core.safetensors_io import load_state_dict
 from mima.training.plan_choices import COMPILE_S, COMPILED_STEP_OVERHEAD_S, STEP_OVERHEAD_S, choose_compile, step_timing
-from tests.conftest import fit_config
-from tests.helpers import assert_trained, finals
+from tests.helpers import assert_trained, finals, fit_config
 
 TASKS = ["rot90", "mirror"]
 STEPS, ITERATIONS = 6, 3  # 3 phases x 2 tasks = 6 segments, 3 steps each: 5 segment starts after the first

@@ -18,7 +18,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from mima.commands.fit.run import run_fit
 from mima.training.module import MimaModule
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 
 def _gradients(module: MimaModule, scale: float) -> list[torch.Tensor]:

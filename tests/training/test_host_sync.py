@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from mima.core.plan import PhasePlan
 from mima.core.run_folder import RunFolder
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 READS = ("item", "__float__", "tolist", "cpu")
 # The optimiser reads its own step counters (`torch.optim` keeps them as CPU tensors unless the

@@ -13,7 +13,7 @@ from mima.core.run_folder import RunFolder
 from mima.data.sampler import stream_seed
 from mima.pools import task_pool
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
+from tests.helpers import fit_config
 
 TASKS = ["rot90", "mirror"]
 

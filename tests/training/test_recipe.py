@@ -26,7 +26,7 @@ from mima.core.cache_dir import default_cache_dir
 from mima.models.clip import load_clip
 from mima.models.heads import task_heads
 from mima.commands.fit.run import run_fit
-from tests.conftest import SMALL_CLIP_CFG, fit_config, save_local_dir_clip
+from tests.helpers import SMALL_CLIP_CFG, fit_config, save_local_dir_clip
 
 REPO = Path(__file__).resolve().parents[2]
 

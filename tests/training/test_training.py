@@ -16,8 +16,7 @@ from mima.data.datamodule import TaskSuiteDataModule
 from mima.core.safetensors_io import load_state_dict, read_metadata
 from mima.training.module import MimaModule
 from mima.commands.fit.run import run_fit
-from tests.conftest import fit_config
-from tests.helpers import assert_trained, finals
+from tests.helpers import assert_trained, finals, fit_config
 
 TASKS = ["rot90", "rot180", "mirror"]
 
@@ -199,7 +198,7 @@ def test_gradient_checkpointing_trains_the_same_weights(tmp_path, request, clip_
 
 def test_gradient_checkpointing_on_a_tower_without_it_is_one_line(tmp_path, capsys):
     from mima.cli import main
-    from tests.conftest import save_local_dir_clip, SMALL_CLIP_CFG
+    from tests.helpers import SMALL_CLIP_CFG, save_local_dir_clip
 
     # open_clip's ModifiedResNet accepts set_grad_checkpointing and ignores it
     resnet = {"embed_dim": 32, "vision_cfg": {"image_size": 16, "layers": [1, 1, 1, 1], "width": 8},
