@@ -23,8 +23,8 @@ from mima.config.trust import TRUST_ENV
 # tests/config/test_config_trust.py runs without it.
 os.environ[TRUST_ENV] = "1"
 
-from tests.helpers import (BATCHNORM_CLIP_CFG, JOB_SERVER, SMALL_CLIP_CFG, ClipTaskModels, job_environment,  # noqa: E402
-                           reference_runs, save_local_dir_clip, save_models, write_encoders)
+from tests.helpers import (BATCHNORM_CLIP_CFG, JOB_SERVER, SMALL_CLIP_CFG, ClipTaskModels, fit_config,  # noqa: E402
+                           job_environment, reference_runs, save_local_dir_clip, save_models, write_encoders)
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory) -> Path:
@@ -119,6 +119,19 @@ def clip_task_models(tmp_path_factory, small_clip, digits_pool):
         models.append({k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in base.items()})
     base_path, paths = save_models(folder, base, models)
     return ClipTaskModels(folder / "config.yaml", base, models, base_path, paths)
+
+
+# ------------------------------------------------------------------ finished runs to evaluate, merge, analyse
+@pytest.fixture(scope="session")
+def two_runs(tmp_path_factory, small_clip) -> list[Path]:
+    """Two finished runs of the small CLIP on the digits tasks rot90 and mirror with S = 4, N = 1 and N = 2
+    (folders N1 and N2), trained once per test process for every file that evaluates, merges, analyses
+    or reports finished runs. Tests only read them; one that changes a run changes a copy."""
+    from mima.commands.fit.run import run_fit
+
+    folder = tmp_path_factory.mktemp("two-runs")
+    return [run_fit(fit_config(folder / f"N{n}", small_clip, ["rot90", "mirror"], steps=4, iterations=n)).run_dir
+            for n in (1, 2)]
 
 
 @pytest.fixture(scope="session")

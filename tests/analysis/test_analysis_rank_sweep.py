@@ -16,8 +16,6 @@ from mima.merging.registry import get_method
 from mima.models.classifier import classify
 from mima.core.run_folder import RunFolder
 from mima.core.state_dicts import mean_state_dict
-from mima.commands.fit.run import run_fit
-from tests.helpers import fit_config
 
 KEY = "blocks.0.attn.out_proj.weight"  # matches the default matrix keys
 
@@ -142,9 +140,9 @@ def test_sweep_endpoints_are_the_average_and_task_arithmetic():
 
 # ----------------------------------------------------------------------------- a real tiny CLIP
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_clip):
-    out = tmp_path_factory.mktemp("rank-sweep") / "run"
-    return run_fit(fit_config(out, small_clip, ["rot90", "mirror"], steps=4, iterations=1)).run_dir
+def run(two_runs):
+    """The shared N = 1 run of rot90 and mirror (tests/conftest.py)."""
+    return two_runs[0]
 
 
 def _hand_mean_accuracy(context, state_dict) -> float:

@@ -19,8 +19,7 @@ from mima.cli import main
 from mima.services.evaluate.dealing import Unit, deal
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import Cell, CellStore, read_checked_cells
-from mima.commands.fit.run import run_fit
-from tests.helpers import cli, fit_config, run_command
+from tests.helpers import cli, run_command
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic", "ties"]  # 1 + 21 + 21 merged models per run: long enough to stop
@@ -63,12 +62,6 @@ def test_dealing_gives_every_unit_once_largest_first():
         # largest-first greedy: no process exceeds the mean load by more than the largest unit
         assert max(loads) <= sum(loads) / world + max(u.cost for u in units)
         assert all(share == sorted(share, key=units.index) for share in dealt)  # plan order within a process
-
-
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, small_clip) -> list[Path]:
-    folder = tmp_path_factory.mktemp("cell-runs")
-    return [run_fit(fit_config(folder / f"N{n}", small_clip, TASKS, steps=4, iterations=n)).run_dir for n in (1, 2)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import re
 from pathlib import Path
 
@@ -15,19 +14,12 @@ import pytest
 from mima.services.evaluate.dealing import deal, plan_units
 from mima.services.evaluate.evaluation import data_free_per_model, describe_evaluation
 from mima.services.evaluate.progress import CellReporter
-from mima.commands.fit.run import run_fit
-from tests.helpers import cli, fit_config, run_command
+from tests.helpers import cli, run_command
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic"]
 LINE = re.compile(r"^mima evaluate: (\d+)/(\d+) cells of process 0 \((\d+) %\), \d+ s(?:; (next|now): (.+))?$",
                   re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, small_clip) -> list[Path]:
-    folder = tmp_path_factory.mktemp("progress-runs")
-    return [run_fit(fit_config(folder / f"N{n}", small_clip, TASKS, steps=4, iterations=n)).run_dir for n in (1, 2)]
 
 
 def _share(runs: list[Path], world: int, rank: int = 0):

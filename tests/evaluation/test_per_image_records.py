@@ -18,23 +18,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from mima.cli import main
-from mima.commands.fit.run import run_fit
 from mima.core.run_folder import RunFolder
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import cell_check, manifest_fingerprint
 from mima.evaluation.statistics import pack_record, unpack_record
 from mima.models.classifier import classify
 from mima.pools import task_pool
-from tests.helpers import cli, fit_config
+from tests.helpers import cli
 
 TASKS = ["rot90", "mirror"]
 MERGES = ["uniform", "task_arithmetic"]  # task_arithmetic's grid: validation cells with records too
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_clip) -> list[Path]:
-    folder = tmp_path_factory.mktemp("record-runs")
-    return [run_fit(fit_config(folder / f"N{n}", small_clip, TASKS, steps=4, iterations=n)).run_dir for n in (1, 2)]
 
 
 def _argv(runs: list[Path], out: Path) -> list[str]:
@@ -42,9 +35,9 @@ def _argv(runs: list[Path], out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def evaluated(runs, tmp_path_factory) -> Path:
+def evaluated(two_runs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("records") / "table"
-    assert main(_argv(runs, out)) == 0
+    assert main(_argv(two_runs, out)) == 0
     return out
 
 
@@ -74,7 +67,7 @@ def _hand_records(run: Path, split: str) -> dict[str, np.ndarray]:
     return found
 
 
-def test_each_count_cell_holds_its_per_image_record(runs, evaluated):
+def test_each_count_cell_holds_its_per_image_record(two_runs, evaluated):
     lines = _lines(evaluated)
     counted = {cell: entry for cell, entry in lines.items() if cell[1] != "pairwise_cos_tau"}
     assert {cell[3] for cell in counted} == {"val", "test"}  # the validation grid's cells have records too
@@ -82,14 +75,14 @@ def test_each_count_cell_holds_its_per_image_record(runs, evaluated):
         correct, total = entry["value"]
         record = unpack_record(entry["images"], total)
         assert int(record.sum()) == correct, cell
-    hand = _hand_records(runs[0], "test")
+    hand = _hand_records(two_runs[0], "test")
     for task in TASKS:
         entry = next(e for cell, e in counted.items() if cell[1:] == ("zero_shot", "{}", "test", task))
         assert np.array_equal(unpack_record(entry["images"], entry["value"][1]), hand[task])  # image by image, in order
         assert entry["images"] == pack_record(hand[task])
 
 
-def test_a_resumed_evaluation_records_the_same_images_bit_for_bit(runs, evaluated, tmp_path, capfd):
+def test_a_resumed_evaluation_records_the_same_images_bit_for_bit(two_runs, evaluated, tmp_path, capfd):
     out = tmp_path / "table"
     shutil.copytree(evaluated, out)
     (out / "results.json").unlink()
@@ -98,7 +91,7 @@ def test_a_resumed_evaluation_records_the_same_images_bit_for_bit(runs, evaluate
         lines = path.read_text().splitlines(keepends=True)
         kept += len(lines) // 2
         path.write_text("".join(lines[: len(lines) // 2]) + lines[len(lines) // 2][:40])  # and a cut line
-    again = cli(_argv(runs, out), capfd)
+    again = cli(_argv(two_runs, out), capfd)
     assert again.code == 0 and f"{kept} cells already done" in again.out, again.out[-2000:]
     assert _lines(out) == _lines(evaluated)  # the same lines, records and digests included
     assert (out / "results.json").read_text() == (evaluated / "results.json").read_text()
@@ -127,7 +120,7 @@ def _record_removed(entry: dict, manifest: dict) -> dict:
     (_forged_record, "its per-image record has"),
     (_record_removed, "its check digest does not match its content"),
 ])
-def test_a_tampered_record_is_named_and_evaluated_again(runs, evaluated, tmp_path, capfd, edit, says):
+def test_a_tampered_record_is_named_and_evaluated_again(two_runs, evaluated, tmp_path, capfd, edit, says):
     out = tmp_path / "table"
     shutil.copytree(evaluated, out)
     manifest = json.loads((out / "cells.json").read_text())
@@ -136,24 +129,24 @@ def test_a_tampered_record_is_named_and_evaluated_again(runs, evaluated, tmp_pat
     index = next(i for i, line in enumerate(lines) if json.loads(line)["cell"][1] == "uniform")
     lines[index] = json.dumps(edit(json.loads(lines[index]), manifest)) + "\n"
     path.write_text("".join(lines))
-    again = cli(_argv(runs, out), capfd)
+    again = cli(_argv(two_runs, out), capfd)
     assert again.code == 0, again.err[-2000:]
     named = [line for line in again.out.splitlines() if "is not a valid cell" in line]
     assert len(named) == 1 and f"{path}: line {index + 1}" in named[0] and says in named[0], again.out
     assert (out / "results.json").read_text() == (evaluated / "results.json").read_text()
 
 
-def test_a_cell_line_of_an_earlier_mima_without_a_record_is_used_without_paired_tests(runs, evaluated, tmp_path, capfd):
+def test_a_cell_line_of_an_earlier_mima_without_a_record_is_used_without_paired_tests(two_runs, evaluated, tmp_path, capfd):
     out = tmp_path / "table"
     shutil.copytree(evaluated, out)
     fingerprint = manifest_fingerprint(json.loads((out / "cells.json").read_text()))
     for path in (out / "cells").glob("*.jsonl"):
         entries = [json.loads(line) for line in path.read_text().splitlines()]
         old = [{"cell": e["cell"], "value": e["value"], "check": cell_check(fingerprint, e["cell"], e["value"])}
-               if e["cell"][1] == "uniform" and e["cell"][4] == "mirror" and e["cell"][0] == str(runs[1].resolve()) else e
+               if e["cell"][1] == "uniform" and e["cell"][4] == "mirror" and e["cell"][0] == str(two_runs[1].resolve()) else e
                for e in entries]
         path.write_text("".join(json.dumps(e) + "\n" for e in old))
-    again = cli(_argv(runs, out), capfd)
+    again = cli(_argv(two_runs, out), capfd)
     assert again.code == 0 and "not a valid cell" not in again.out, again.out[-2000:]
     rows = json.loads((out / "results.json").read_text())
     untampered = json.loads((evaluated / "results.json").read_text())
@@ -187,12 +180,12 @@ def _test_records(out: Path, runs: list[Path]) -> dict[tuple[int, str], dict[str
     return found
 
 
-def test_results_json_intervals_and_paired_tests_recomputed_from_the_records(runs, evaluated):
+def test_results_json_intervals_and_paired_tests_recomputed_from_the_records(two_runs, evaluated):
     pytest.importorskip("scipy")
     from scipy.stats import binomtest
 
     rows = json.loads((evaluated / "results.json").read_text())
-    records = _test_records(evaluated, runs)
+    records = _test_records(evaluated, two_runs)
     by_key = {(r["N"], r["model"], r["task"]): r for r in rows}
     for (n, model), per_task in records.items():
         for task, record in per_task.items():

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
 from mima.cli import main
 from mima.services.evaluate.runs import evaluate_runs
-from mima.commands.fit.run import run_fit
-from tests.helpers import fit_config
 
 TASKS = ["rot90", "mirror"]
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, small_clip):
+def sweep(tmp_path_factory, two_runs):
+    """A sweep folder: copies of the shared runs in runs/ (the reports write into their folders), evaluated."""
     folder = tmp_path_factory.mktemp("report-sweep")
-    runs = [run_fit(fit_config(folder / "runs" / f"N{n}", small_clip, TASKS, steps=4, iterations=n)).run_dir for n in (1, 2)]
+    runs = [shutil.copytree(run, folder / "runs" / run.name) for run in two_runs]
     evaluate_runs(runs, folder, ["uniform", "task_arithmetic"], select_on_val=False)
     return folder
 

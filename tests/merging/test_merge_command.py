@@ -1,4 +1,5 @@
-"""`mima merge`'s hyperparameter flags come from the registry's declarations, and its results carry the notes.
+"""`mima merge`'s hyperparameter flags come from the registry's declarations, its results carry the notes,
+and a run folder's models merge through it (the shared N = 2 run, tests/conftest.py's `two_runs`).
 
 The flag checks run before any file is read, so most tests here need no checkpoints at all.
 """
@@ -12,15 +13,13 @@ import pytest
 import torch
 
 from mima.cli import main
-from mima.core.errors import MimaError
 from mima.commands.merge import parse
-from mima.services.merge import check_hyperparameter_flags, report_results
-from mima.services.merge_request import MergeRequest
+from mima.core.errors import MimaError
+from mima.core.run_folder import RunFolder
 from mima.merging import HYPERPARAMETERS, MERGE_METHODS, get_method
 from mima.merging.selection import Selection
-from mima.commands.fit.run import run_fit
-from mima.core.run_folder import RunFolder
-from tests.helpers import fit_config
+from mima.services.merge import check_hyperparameter_flags, report_results
+from mima.services.merge_request import MergeRequest
 
 
 def test_parse_gives_the_request_with_the_hyperparameters_given():
@@ -188,8 +187,8 @@ def test_the_merge_says_its_test_accuracy_and_the_files_it_wrote(tmp_path):
 TASKS = ["rot90", "mirror"]
 
 
-def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, small_clip, capsys):
-    run = run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=4, iterations=2)).run_dir
+def test_select_on_val_through_the_cli_writes_a_results_table(tmp_path, two_runs, capsys):
+    run = two_runs[1]  # N = 2
     out = tmp_path / "cart.safetensors"
     assert main(["merge", "--method", "cart", "--models", str(run), "--output", str(out), "--select-on", "val"]) == 0
     report = json.loads((tmp_path / "cart.safetensors.results.json").read_text())

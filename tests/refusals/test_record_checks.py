@@ -24,19 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from mima.commands.fit.run import run_fit
 from mima.core.errors import MimaError
 from mima.core.run_lock import RunLock
 from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.evaluation.cells import Cell, CellStore, cell_check, manifest_fingerprint
-from tests.helpers import assert_one_line, cli, copy_run, fit_config
+from tests.helpers import assert_one_line, cli, copy_run
 
 TASKS = ["rot90", "mirror"]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_clip) -> Path:
-    return run_fit(fit_config(tmp_path_factory.mktemp("checked-run") / "N1", small_clip, TASKS, steps=4, iterations=1)).run_dir
+def run(two_runs) -> Path:
+    """The shared N = 1 run (tests/conftest.py)."""
+    return two_runs[0]
 
 
 def _evaluate_argv(run: Path, out: Path) -> list[str]:
