@@ -1,6 +1,8 @@
-"""Helpers several test files share (no test file imports another: tests/test_architecture.py checks
-it), the fault injection that `mima fit` subprocesses load by class path (`tests.helpers.KillAtStep`),
-and a file size limit for any subprocess.
+"""What several test files share, as plain functions and values (the fixtures are in tests/conftest.py;
+no test file imports another test file or the conftest: tests/architecture/test_architecture.py checks
+it): the small CLIP and a quick run's config, jobs in this process or in processes of their own, bounds
+on work (calls, bytes read), merge inputs in memory and as files, the fault injection that `mima fit`
+subprocesses load by class path (`tests.helpers.KillAtStep`), and a file size limit for any subprocess.
 
 The distributed tests start each job in its own process group, so killing the group kills every
 process of the job at once, as a node failure or `scancel` would.
@@ -46,6 +48,50 @@ from mima.data import clip_text
 from mima.data.clip_tasks import SUN397_FOLDERS
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# ============================================================================ bounds on work, not on time
+class WorkBoundExceeded(AssertionError):
+    """The code under test did more work than the test allows."""
+
+
+@contextlib.contextmanager
+def calls_at_most(limit: int):
+    """Fail, at once and without finishing the work, when the block makes more than `limit` Python
+    function calls (this thread): a bound on work that a loaded machine cannot miss, as it can a time bound."""
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+            if calls > limit:
+                raise WorkBoundExceeded(f"more than {limit} Python function calls")
+
+    previous = sys.getprofile()
+    sys.setprofile(count)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def bytes_read() -> int:
+    """The bytes this process has read so far through read system calls, files and pipes alike (Linux:
+    rchar of /proc/self/io)."""
+    with open("/proc/self/io") as counters:
+        return next(int(line.split()[1]) for line in counters if line.startswith("rchar:"))
+
+
+@contextlib.contextmanager
+def reads_at_most(limit: int):
+    """Fail when the process reads more than `limit` bytes during the block (reading /proc/self/io itself
+    costs a few hundred)."""
+    before = bytes_read()
+    yield
+    read = bytes_read() - before
+    if read > limit:
+        raise WorkBoundExceeded(f"read {read} bytes, more than {limit}")
 
 
 # ============================================================= the small CLIP and a quick run's config
@@ -152,7 +198,7 @@ def run_job(config: Path, out: Path, *extra: str, timeout: float = 600) -> subpr
     group: the first a fork of tests/job_server.py (the same `mima.cli.main`, imports done), the others
     started by Lightning as `sys.executable -m mima.__main__`, which in such a job is tests/rank_starter.py
     standing in for a fork of the same imports. In an environment other than the session's it
-    runs `python -m mima fit`. tests/test_cli_startup.py and the SLURM tests cover the command's own
+    runs `python -m mima fit`. tests/commands/test_cli_startup.py and the SLURM tests cover the command's own
     start-up."""
     argv = ["fit", "--config", str(config), "--out", str(out), *extra]
     if _one_process_job(config, extra):
@@ -283,7 +329,7 @@ class JobServer:
             raise RuntimeError(f"tests/job_server.py ended without the job's exit status (status {lines}); its log:\n"
                                + self.log.read().decode()[-3000:])
         completed = subprocess.CompletedProcess(["mima", *argv], int(lines[3]), stdout, stderr)
-        completed.pid = pid  # the job's first process: its process group's id (tests/test_job_server.py)
+        completed.pid = pid  # the job's first process: its process group's id (tests/distributed/test_job_server.py)
         return completed
 
 
