@@ -42,7 +42,10 @@ def _transform(size: int):
 def write_digit_folders(root: Path, tasks=DIGIT_TASKS, count: int | None = None) -> dict[str, Path]:
     """The demo's digits tasks as image folders (flat layout, one folder per class): each of
     scikit-learn's 8x8 digits under the task's transform, its 0..16 values as 8-bit grey PNGs."""
-    images, labels = digits._raw_digits()
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()  # read here, as the digits tasks read it
+    images, labels = bunch.images.astype(np.float32), bunch.target
     folders = {}
     for task in tasks:
         folders[task] = root / task

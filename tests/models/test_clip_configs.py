@@ -23,6 +23,7 @@ import yaml
 from mima.core.errors import MimaError
 from mima.data.clip_tasks import BENCHMARKS, REAL_TASKS, TASKS
 from mima.data.settings import DataSettings
+from mima.models.clip import load_clip
 from mima.models.heads import task_heads
 from mima.core.plan import check_budget
 from mima.commands.fit.parser import build_cli
@@ -129,10 +130,16 @@ def b32(tmp_path_factory):
     return build_trainer(fit_settings(program, "ViT-B-32")), folder  # its model, datamodule and trainer
 
 
-def _heads(cli, folder: Path, tasks) -> dict[str, torch.Tensor]:
-    """What MimaModule.setup builds for these tasks: zero-shot heads from the text tower."""
+def _text_tower(module):
+    """The CLIP the module's settings name, loaded as MimaModule loads it (random weights: `pretrained:
+    none`), for its text tower."""
+    settings = module.settings
+    return load_clip(settings.clip, settings.pretrained, cache_dir=module.cache_dir, quick_gelu=settings.quick_gelu)
+
+
+def _heads(cli, loaded, folder: Path, tasks) -> dict[str, torch.Tensor]:
+    """What MimaModule.setup builds for these tasks: zero-shot heads from the text tower of `loaded`."""
     specs = [spec for spec in cli.datamodule.task_specs if spec.name in tasks]
-    loaded = cli.model._text.value  # the text tower, kept by the module until its heads exist
     return task_heads(loaded, cli.model.hparams.heads, specs, None, folder / "heads-cache")
 
 
@@ -153,8 +160,9 @@ def test_vit_b32_config_builds_the_model_and_zero_shot_heads(b32):
     assert module.image_size == 224
     with torch.no_grad():
         assert module.encoder(torch.zeros(1, 3, 224, 224)).shape == (1, 512)
-    logit_scale = float(module._text.value.model.logit_scale.detach().exp())
-    heads = _heads(cli, folder, CHEAP_HEADS)
+    loaded = _text_tower(module)
+    logit_scale = float(loaded.model.logit_scale.detach().exp())
+    heads = _heads(cli, loaded, folder, CHEAP_HEADS)
     assert list(heads) == list(CHEAP_HEADS)
     for task, head in heads.items():
         _check_head(head, task, logit_scale)
@@ -163,8 +171,9 @@ def test_vit_b32_config_builds_the_model_and_zero_shot_heads(b32):
 @pytest.mark.heavy
 def test_vit_b32_config_builds_all_eight_zero_shot_heads(b32):
     cli, folder = b32
-    logit_scale = float(cli.model._text.value.model.logit_scale.detach().exp())
-    heads = _heads(cli, folder, EIGHT)
+    loaded = _text_tower(cli.model)
+    logit_scale = float(loaded.model.logit_scale.detach().exp())
+    heads = _heads(cli, loaded, folder, EIGHT)
     assert list(heads) == list(EIGHT)
     for task, head in heads.items():
         _check_head(head, task, logit_scale)
@@ -176,7 +185,7 @@ def test_sweep_script_parses():
 
 
 # The sweep's srun commands, N and seed per element, and its evaluation job are tested in
-# tests/test_slurm.py (without and with a real SLURM).
+# tests/distributed/test_slurm.py (without and with a real SLURM).
 
 
 # OpenAI's released CLIP weights were trained with QuickGELU, x * sigmoid(1.702 x) (the CLIP

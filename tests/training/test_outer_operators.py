@@ -121,7 +121,7 @@ def test_the_proximal_gradient_is_mu_times_the_distance_to_the_phase_start(small
                           for key, value in module.encoder.state_dict().items()}
     expected = sum(float((param.detach().double() - module.phase_start[name].double()).square().sum())
                    for name, param in module.encoder.named_parameters() if name != first)
-    distance = module._distance_to_phase_start()
+    distance = module.distance_to_phase_start()
     assert float(distance.detach()) == pytest.approx(expected, rel=1e-5)
     (module.hparams.proximal_mu / 2 * distance).backward()
     for name, param in module.encoder.named_parameters():
