@@ -71,7 +71,7 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) >= 2 and parts[1] in ALLOWED:
         return parts[1]
-    raise AssertionError(f"{module}: no layer assigned; add it to tests/test_architecture.py")
+    raise AssertionError(f"{module}: no layer assigned; add it to tests/architecture/test_architecture.py")
 
 
 def module_name(path: Path) -> str:
@@ -312,7 +312,7 @@ def _help_of(run, *argv: str) -> str:
 def test_the_commands_table_drives_usage_dispatch_and_parse():
     """Each command of the table is listed once by `mima --help`, named in the unknown-command error,
     reached by `mima NAME --help` and known to `parse`; the same for the data subcommands. (fit's
-    --help is LightningCLI's: tests/test_help_options.py runs it.)"""
+    --help is LightningCLI's: tests/commands/test_help_options.py runs it.)"""
     from mima.analysis import ANALYSES
     from mima.cli import main, parse
     from mima.commands import COMMANDS, DATA_COMMANDS, names

@@ -1,6 +1,6 @@
 """--checkpoint_every's forms, where each saves, resuming from them, and the kept moments on disk.
 
-Jobs run as real `mima fit` processes (tests/test_distributed.py's helpers); the expected save steps
+Jobs run as real `mima fit` processes (tests/distributed/test_distributed.py's helpers); the expected save steps
 and moment generations are computed here from the MIMA schedule itself (tasks one after another,
 K steps each, every phase), not from mima.core.plan.
 """

@@ -100,7 +100,7 @@ def test_a_harmless_change_is_accepted_recorded_and_gives_the_same_weights(whole
 
 def test_a_number_of_processes_that_changes_the_processes_per_task_is_refused(stopped_run, small_clip, tmp_path, capfd):
     """trainer.devices may change where each task keeps its number of processes (elastic resume,
-    tests/test_distributed.py); 1 -> 4 processes on two tasks would split each task's batch."""
+    tests/distributed/test_distributed.py); 1 -> 4 processes on two tasks would split each task's batch."""
     with unchanged(tmp_path):
         result = cli(fit_argv(small_clip, stopped_run, ckpt_path="last", **{"trainer.devices": "4"}), capfd)
     assert_one_line(result.code, result.err, "written by 1 process (1 per task)", "has 4 (2 per task)")

@@ -67,7 +67,7 @@ def rank_states(out: Path, rank: int) -> list[str]:
     return sorted(p.name for p in (out / CHECKPOINTS / "ranks" / f"rank-{rank:05d}").glob("*.ckpt"))
 
 
-# W = 3 on four tasks (a W that does not divide T): tests/test_checkpoint_schedule.py's
+# W = 3 on four tasks (a W that does not divide T): tests/checkpoints/test_checkpoint_schedule.py's
 # test_two_phases_saves_exactly_at_every_second_sync ends with the one-process run's task models
 
 

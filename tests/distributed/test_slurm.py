@@ -57,7 +57,7 @@ def slurm_two_nodes(tmp_path):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, small_clip):
     """The job's config and its uninterrupted run, outside SLURM, in one process (the SLURM jobs run two:
-    the task models are the same at any W, tests/test_distributed.py)."""
+    the task models are the same at any W, tests/distributed/test_distributed.py)."""
     require(missing_requirement())
     folder = tmp_path_factory.mktemp("slurm-job")
     config = folder / "job.yaml"

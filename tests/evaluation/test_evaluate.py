@@ -1,6 +1,6 @@
 """`mima evaluate`: the results table of finished runs, checked against a hand-made evaluation; the
 mean and standard deviation over seeds against hand numbers; a second run finding every cell done.
-(tests/test_evaluate_cells.py: stops, kills, several processes, precision, validation subsets.)"""
+(tests/evaluation/test_evaluate_cells.py: stops, kills, several processes, precision, validation subsets.)"""
 
 from __future__ import annotations
 

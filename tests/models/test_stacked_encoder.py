@@ -22,7 +22,7 @@ COPIES, BATCH, CLASSES = 3, 8, 5
 # its own running scale, so a rounding difference in a near-zero entry can move that entry by up to
 # lr: after 6 steps at lr 1e-3 the stacked task models differ from the separate ones by at most 1.7e-3
 # of the task vector's norm (measured on the CPU, 2026-11-28; the same size as torch.compile's, see
-# tests/test_compile.py). The bound, 1 %, is far below what one task's batch going to another gives.
+# tests/training/test_compile.py). The bound, 1 %, is far below what one task's batch going to another gives.
 RELATIVE_TOLERANCE = 1e-2
 
 

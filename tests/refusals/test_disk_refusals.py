@@ -3,7 +3,7 @@
 Each command runs in a subprocess that may write no file beyond a few KB (RLIMIT_FSIZE: the write
 fails with EFBIG, as a full disk's fails with ENOSPC). Each must exit 2 with exactly one error line
 on stderr naming the output it could not write and what to do (`ulimit -f`), no traceback, and leave
-no partial output: no output file, no temporary file. (`mima merge`: tests/test_outputs_and_inputs.py.)
+no partial output: no output file, no temporary file. (`mima merge`: tests/refusals/test_outputs_and_inputs.py.)
 """
 
 from __future__ import annotations

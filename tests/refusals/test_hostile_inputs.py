@@ -267,7 +267,7 @@ def test_1_tensors_viewing_one_storage_read_it_once(converted):
     assert (entry["peak_kib"] - floor["peak_kib"]) * 1024 < MEMORY_BOUND
 
 
-# 2. mima merge: crafted safetensors headers: tests/test_tensor_files.py (the reader against the safetensors
+# 2. mima merge: crafted safetensors headers: tests/core/test_tensor_files.py (the reader against the safetensors
 # library, every header of the issue)
 
 

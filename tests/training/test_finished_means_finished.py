@@ -1,5 +1,5 @@
 """Finished means finished (issue 41, item 1): `mima fit` exits 0 only when every process took its
-planned steps. Trainer options that cut the run short are refused up front (tests/test_config_validation.py,
+planned steps. Trainer options that cut the run short are refused up front (tests/config/test_config_validation.py,
 the cut_short_* cases); anything else that ends training early without a stop request (here a user's
 early-stopping callback) ends the command non-zero, naming the step, and the run resumes to its end."""
 

@@ -2,7 +2,7 @@
 processes, and the sync timeout that grows with the work the other processes still have.
 
 The runs use the demo's four digit tasks with the small CLIP of tests/conftest.py, as the other
-distributed tests do (tests/test_distributed.py); jobs are real `mima fit` processes over gloo.
+distributed tests do (tests/distributed/test_distributed.py); jobs are real `mima fit` processes over gloo.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def test_a_process_with_less_work_waits_out_a_slow_step_at_its_sync(tmp_path, sm
 
 def test_the_vit_l14_config_lets_the_plan_decide_gradient_checkpointing():
     """configs/clip/ViT-L-14.yaml leaves gradient checkpointing to the plan at the paper's batch 128
-    (tests/test_plan_choices.py: off on an 80 GiB GPU, on on a 40 GiB one)."""
+    (tests/plan/test_plan_choices.py: off on an 80 GiB GPU, on on a 40 GiB one)."""
     from mima.config.run_config import load_run_config
 
     config = load_run_config(Path(__file__).resolve().parents[2] / "configs" / "clip" / "ViT-L-14.yaml")

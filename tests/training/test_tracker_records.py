@@ -1,6 +1,6 @@
 """The parts of mima.training.trackers that need no training run: how rows from several processes
 are merged, the outbox a kill can cut short, and logging a finished run's results to its trackers
-(tests/test_trackers.py runs the whole path on real jobs)."""
+(tests/training/test_trackers.py runs the whole path on real jobs)."""
 
 from __future__ import annotations
 
