@@ -65,16 +65,16 @@ def test_evaluate_two_runs_matches_a_hand_computed_uniform_merge(tmp_path, small
     assert "N=2: cos(tau)" in capsys.readouterr().out
 
 
-def test_evaluate_refuses_runs_of_different_tasks(tmp_path, small_clip, capsys):
-    first = run_fit(fit_config(tmp_path / "a", small_clip, TASKS, steps=2, iterations=1)).run_dir
-    second = run_fit(fit_config(tmp_path / "b", small_clip, ["rot90", "rot180"], steps=2, iterations=1)).run_dir
+def test_evaluate_refuses_runs_of_different_tasks(tmp_path, small_clip, two_runs, capsys):
+    first = two_runs[0]  # rot90 and mirror
+    second = run_fit(fit_config(tmp_path / "b", small_clip, ["rot90", "rot180"], steps=4, iterations=1)).run_dir  # S as first
     assert main(["evaluate", str(first), str(second), "--out", str(tmp_path / "t"), "--merges", "uniform"]) == 2
     assert "differ from" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("merge, fragment", [("adamerging", "learns from task data"), ("tall", "keeps one model per task")])
-def test_evaluate_takes_data_free_merges_only(tmp_path, small_clip, capsys, merge, fragment):
-    run = run_fit(fit_config(tmp_path / "a", small_clip, TASKS, steps=2, iterations=1)).run_dir
+def test_evaluate_takes_data_free_merges_only(tmp_path, two_runs, capsys, merge, fragment):
+    run = two_runs[0]
     assert main(["evaluate", str(run), "--out", str(tmp_path / "t"), "--merges", "uniform", merge]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0] and "mima merge" in err[0], err
@@ -82,8 +82,9 @@ def test_evaluate_takes_data_free_merges_only(tmp_path, small_clip, capsys, merg
 
 
 @pytest.fixture
-def finished_run(tmp_path, small_clip):
-    return run_fit(fit_config(tmp_path / "run", small_clip, TASKS, steps=2, iterations=1)).run_dir
+def finished_run(tmp_path, two_runs):
+    """A copy of the shared N = 1 run (tests/conftest.py), for a test to damage."""
+    return shutil.copytree(two_runs[0], tmp_path / "run")
 
 
 @pytest.mark.parametrize(
