@@ -1,7 +1,7 @@
 """The cached training path's host and device work per batch (issue 47, item 5): the per-example code
 it replaced (tests/cache_reference.py) against the batch-at-a-time code in mima.data, side by side in
 one run, with the ratio old / new (above 1: the new code is faster). Both compute the same values
-(tests/test_cache_batches.py checks them bit for bit); this only times them.
+(tests/data/test_cache_batches.py checks them bit for bit); this only times them.
 
   * crop boxes: `random.Random(draw)` and get_params' loop per example vs `crop_boxes` (one seeding
     and one read of the generator's words per example, the rest on the whole batch), open_clip's

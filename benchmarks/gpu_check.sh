@@ -20,6 +20,6 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/versions.txt"
 # the files with CUDA-only tests (and the CPU tests beside them, which must pass there too)
 timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" \
-  tests/test_gradient_clipping.py tests/test_compile.py tests/test_evaluate_cache.py tests/test_cache_batches.py \
-  tests/test_segment_end_copies.py tests/test_merge_device.py tests/test_evaluate_workers.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+  tests/training/test_gradient_clipping.py tests/training/test_compile.py tests/evaluation/test_evaluate_cache.py tests/data/test_cache_batches.py \
+  tests/checkpoints/test_segment_end_copies.py tests/merging/test_merge_device.py tests/evaluation/test_evaluate_workers.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
 timeout 330 python3 benchmarks/gpu_suite.py --quick --json "$OUT/gpu_suite.json" 2>&1 | tee "$OUT/gpu_suite.txt"

@@ -36,7 +36,7 @@ with and without gradient checkpointing.
 
 Modes: the plain run keeps every row at full size; --quick runs every row scaled to fit 5 minutes on
 one H100 or H200 (fewer steps, repeats, images and merge tensors: QUICK and L14_QUICK); --cpu-smoke
-runs every row on the CPU with a small CLIP (tests/test_gpu_suite.py; the suite's own compiled loops
+runs every row on the CPU with a small CLIP (tests/benchmarks/test_gpu_suite.py; the suite's own compiled loops
 use torch.compile's "aot_eager" backend there, since TorchInductor's C++ compile of every shape would
 take minutes on 2 cores; `mima fit`'s compiled row compiles as it always does).
 

@@ -1,6 +1,6 @@
 """mima: multi-task fine-tuning with iterated model averaging, and model merging.
 
-The pieces, by package (imports go one way, top to bottom; tests/test_architecture.py checks it):
+The pieces, by package (imports go one way, top to bottom; tests/architecture/test_architecture.py checks it):
   mima.core        state-dict arithmetic, tensor files, atomic writes, truncated SVD, the phase plan,
                    the run-folder contract (RunFolder, SweepFolder), errors; imports nothing above it
   mima.data        task registry and suites, splits, the per-task batch schedule, the datamodule

@@ -11,8 +11,8 @@ Each function runs what its command runs, through mima.services (the programs be
 the command parses its command line and calls the same service; `mima.merge` and `mima merge` run
 mima.services.merge), so a mistake raises mima.MimaError with the one line the command prints after
 `error:`, and what it writes is what the command writes. docs/api.md shows every function on the
-demo (tests/test_api.py runs the page). The API sits beside the commands, above the services, and
-imports nothing from mima/commands/ (tests/test_architecture.py); nothing in the package imports
+demo (tests/commands/test_api.py runs the page). The API sits beside the commands, above the services, and
+imports nothing from mima/commands/ (tests/architecture/test_architecture.py); nothing in the package imports
 it, and `import mima` loads it only when one of these names is first used (mima/__init__.py).
 """
 

@@ -21,7 +21,7 @@ as one line on stderr with exit status 2, and leaves no partial output behind.
 mima.commands.COMMANDS lists the commands and the module of each; a command's module imports nothing
 heavy at module level, so that `--help` and argument errors answer before torch, Lightning or
 open_clip are imported, and it is imported only when its command runs. `parse(command, argv)` parses
-a command line without running it (tests/test_docs_commands.py checks every example of the
+a command line without running it (tests/docs/test_docs_commands.py checks every example of the
 documentation with it).
 """
 

@@ -1,5 +1,5 @@
 """The cached path's per-example rules as they were written before they were vectorised (issue 47,
-item 5): one example at a time, in plain Python. tests/test_cache_batches.py checks the vectorised
+item 5): one example at a time, in plain Python. tests/data/test_cache_batches.py checks the vectorised
 code in mima.data against them; benchmarks/cache_batches.py times both."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Shared fixtures: a small open_clip CLIP saved like a downloaded checkpoint, and a private cache."""
+"""Shared fixtures: a private cache, threads per worker, the job server, the small CLIP saved like a
+downloaded checkpoint, the merge inputs and runs several test files use, and the collection order.
+Plain functions and values the tests share live in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,33 +14,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import open_clip  # noqa: E402
 import pytest
 import torch
+import yaml
 
 from mima.config.trust import TRUST_ENV
-from mima.core.safetensors_io import load_state_dict, save_state_dict
 
 # The test configs name the tests' own fault-injection callbacks (tests.helpers.KillAtStep, ...): code
 # outside mima's list (mima.config.trust), trusted here for every job the tests start.
-# tests/test_config_trust.py runs without it.
+# tests/config/test_config_trust.py runs without it.
 os.environ[TRUST_ENV] = "1"
 
-# A small CLIP with the digits suite's 16x16 input. The text tower keeps open_clip's BPE vocabulary
-# (so the real tokenizer works) but is otherwise tiny.
-SMALL_CLIP_CFG = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
-
-
-def save_local_dir_clip(folder: Path, cfg: dict, seed: int) -> Path:
-    """Write an open_clip model folder (open_clip_config.json + open_clip_model.safetensors)."""
-    torch.manual_seed(seed)
-    model = open_clip.CLIP(**cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
-    save_state_dict(folder / "open_clip_model.safetensors", model.state_dict())
-    return folder
-
+from tests.helpers import (BATCHNORM_CLIP_CFG, JOB_SERVER, SMALL_CLIP_CFG, ClipTaskModels, fit_config,  # noqa: E402
+                           job_environment, reference_runs, save_local_dir_clip, save_models, write_encoders)
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory) -> Path:
@@ -84,20 +69,9 @@ def threads_per_worker():
 def job_server(private_cache, threads_per_worker):
     """tests/helpers.py's run_job starts a multi-process job's first process as a fork of a process that
     has imported torch and Lightning once (tests/job_server.py), for jobs in this session's environment."""
-    from tests.helpers import JOB_SERVER, job_environment
-
     JOB_SERVER.environment = job_environment()
     yield
     JOB_SERVER.stop()
-
-
-# The same text tower with a timm image tower that has BatchNorm (running statistics are buffers).
-BATCHNORM_CLIP_CFG = {
-    "embed_dim": 32,
-    "vision_cfg": {"timm_model_name": "resnet10t", "timm_model_pretrained": False,
-                   "timm_pool": "avg", "timm_proj": "linear", "image_size": 16},
-    "text_cfg": SMALL_CLIP_CFG["text_cfg"],
-}
 
 
 @pytest.fixture(scope="session")
@@ -113,23 +87,6 @@ def small_clip(tmp_path_factory) -> str:
     return f"local-dir:{folder}"
 
 
-def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: int, **model) -> dict:
-    """A `mima fit` config dict for quick CPU runs of the small CLIP on digits tasks."""
-    return {
-        "seed_everything": 0,
-        "model": {"clip": clip, "steps": steps, "iterations": iterations, "lr": 1e-3, "warmup_steps": 2, **model},
-        "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "logger": False,
-        },
-        "out": str(out),
-    }
-
-
 # ------------------------------------------------------------------ merge inputs (mima merge and the Python API)
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory, small_clip) -> dict[str, Path]:
@@ -138,41 +95,48 @@ def encoders(tmp_path_factory, small_clip) -> dict[str, Path]:
     return write_encoders(tmp_path_factory.mktemp("encoders"), base, scale=0.01)
 
 
-def write_encoders(folder: Path, base: dict, scale: float) -> dict[str, Path]:
-    """`base` and two models base + scale x N(0, 1) noise (seeds 1, 2) as safetensors files in `folder`."""
-    paths = {"base": folder / "base.safetensors"}
-    save_state_dict(paths["base"], base)
-    for index in (1, 2):
-        generator = torch.Generator().manual_seed(index)
-        paths[f"m{index}"] = folder / f"m{index}.safetensors"
-        save_state_dict(paths[f"m{index}"], {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in base.items()})
-    return paths
+# ------------------------------------------------------------------ the small CLIP on two digits tasks
+@pytest.fixture(scope="session")
+def digits_pool(small_clip):
+    """The task pool (mima.pools) of the small CLIP, without pretrained weights, on the digits tasks rot90
+    and mirror."""
+    from mima.pools import task_pool
+
+    return task_pool({"model": {"clip": small_clip, "pretrained": None}, "data": {"suite": "digits", "tasks": ["rot90", "mirror"]}})
 
 
-def merge_argv(method: str, encoders, output: Path, *extra, models=("m1", "m2"), base: bool = True) -> list:
-    """`mima merge` arguments; `models` names entries of `encoders` (or gives paths)."""
-    return (["merge", "--method", method] + (["--base", encoders["base"]] if base else [])
-            + ["--models", *[encoders[m] if isinstance(m, str) else m for m in models], "--output", output, *extra])
+@pytest.fixture(scope="session")
+def clip_task_models(tmp_path_factory, small_clip, digits_pool):
+    """theta_0 of digits_pool's encoder and two perturbed copies standing in for task models, in memory
+    and as files, with the pool's config (tests.helpers.ClipTaskModels). Tests only read them."""
+    folder = tmp_path_factory.mktemp("clip-task-models")
+    config = {"model": {"clip": small_clip, "pretrained": None}, "data": {"suite": "digits", "tasks": ["rot90", "mirror"]}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    base = {k: v.detach().clone() for k, v in digits_pool.encoder.state_dict().items()}
+    models = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        models.append({k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in base.items()})
+    base_path, paths = save_models(folder, base, models)
+    return ClipTaskModels(folder / "config.yaml", base, models, base_path, paths)
 
 
-POISONED_KEY = "transformer.resblocks.0.mlp.c_fc.weight"  # a matrix that CART, TSV and Iso-C decompose
+# ------------------------------------------------------------------ finished runs to evaluate, merge, analyse
+@pytest.fixture(scope="session")
+def two_runs(tmp_path_factory, small_clip) -> list[Path]:
+    """Two finished runs of the small CLIP on the digits tasks rot90 and mirror with S = 4, N = 1 and N = 2
+    (folders N1 and N2), trained once per test process for every file that evaluates, merges, analyses
+    or reports finished runs. Tests only read them; one that changes a run changes a copy."""
+    from mima.commands.fit.run import run_fit
 
-
-def poisoned(encoders, folder: Path, value: float) -> tuple[Path, str]:
-    """A copy of m2 with one entry of an MLP weight matrix set to `value`."""
-    state = load_state_dict(encoders["m2"])
-    key = POISONED_KEY
-    state[key].view(-1)[3] = value
-    path = folder / "poisoned.safetensors"
-    save_state_dict(path, state)
-    return path, key
+    folder = tmp_path_factory.mktemp("two-runs")
+    return [run_fit(fit_config(folder / f"N{n}", small_clip, ["rot90", "mirror"], steps=4, iterations=n)).run_dir
+            for n in (1, 2)]
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, small_clip):
     """Uninterrupted runs shared by every test file of the session (tests.helpers.reference_runs)."""
-    from tests.helpers import reference_runs  # here: tests.helpers imports this module
-
     return reference_runs(tmp_path_factory, small_clip)
 
 

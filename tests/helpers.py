@@ -1,6 +1,8 @@
-"""Helpers several test files share (no test file imports another: tests/test_architecture.py checks
-it), the fault injection that `mima fit` subprocesses load by class path (`tests.helpers.KillAtStep`),
-and a file size limit for any subprocess.
+"""What several test files share, as plain functions and values (the fixtures are in tests/conftest.py;
+no test file imports another test file or the conftest: tests/architecture/test_architecture.py checks
+it): the small CLIP and a quick run's config, jobs in this process or in processes of their own, bounds
+on work (calls, bytes read), merge inputs in memory and as files, the fault injection that `mima fit`
+subprocesses load by class path (`tests.helpers.KillAtStep`), and a file size limit for any subprocess.
 
 The distributed tests start each job in its own process group, so killing the group kills every
 process of the job at once, as a node failure or `scancel` would.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import open_clip
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
@@ -39,13 +42,102 @@ from PIL import Image
 from torch import nn
 from torch.func import functional_call
 
-from mima.core.safetensors_io import load_state_dict
+from mima.core.safetensors_io import load_state_dict, save_state_dict
 from mima.core.subsets import first_examples
 from mima.data import clip_text
 from mima.data.clip_tasks import SUN397_FOLDERS
-from tests.conftest import fit_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# ============================================================================ bounds on work, not on time
+class WorkBoundExceeded(AssertionError):
+    """The code under test did more work than the test allows."""
+
+
+@contextlib.contextmanager
+def calls_at_most(limit: int):
+    """Fail, at once and without finishing the work, when the block makes more than `limit` Python
+    function calls (this thread): a bound on work that a loaded machine cannot miss, as it can a time bound."""
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+            if calls > limit:
+                raise WorkBoundExceeded(f"more than {limit} Python function calls")
+
+    previous = sys.getprofile()
+    sys.setprofile(count)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def bytes_read() -> int:
+    """The bytes this process has read so far through read system calls, files and pipes alike (Linux:
+    rchar of /proc/self/io)."""
+    with open("/proc/self/io") as counters:
+        return next(int(line.split()[1]) for line in counters if line.startswith("rchar:"))
+
+
+@contextlib.contextmanager
+def reads_at_most(limit: int):
+    """Fail when the process reads more than `limit` bytes during the block (reading /proc/self/io itself
+    costs a few hundred)."""
+    before = bytes_read()
+    yield
+    read = bytes_read() - before
+    if read > limit:
+        raise WorkBoundExceeded(f"read {read} bytes, more than {limit}")
+
+
+# ============================================================= the small CLIP and a quick run's config
+# A small CLIP with the digits suite's 16x16 input. The text tower keeps open_clip's BPE vocabulary
+# (so the real tokenizer works) but is otherwise tiny.
+SMALL_CLIP_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+def save_local_dir_clip(folder: Path, cfg: dict, seed: int) -> Path:
+    """Write an open_clip model folder (open_clip_config.json + open_clip_model.safetensors)."""
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(**cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
+    save_state_dict(folder / "open_clip_model.safetensors", model.state_dict())
+    return folder
+
+
+# The same text tower with a timm image tower that has BatchNorm (running statistics are buffers).
+BATCHNORM_CLIP_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"timm_model_name": "resnet10t", "timm_model_pretrained": False,
+                   "timm_pool": "avg", "timm_proj": "linear", "image_size": 16},
+    "text_cfg": SMALL_CLIP_CFG["text_cfg"],
+}
+
+
+def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: int, **model) -> dict:
+    """A `mima fit` config dict for quick CPU runs of the small CLIP on digits tasks."""
+    return {
+        "seed_everything": 0,
+        "model": {"clip": clip, "steps": steps, "iterations": iterations, "lr": 1e-3, "warmup_steps": 2, **model},
+        "data": {"suite": "digits", "tasks": tasks, "batch_size": 16, "seed": 3},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+        },
+        "out": str(out),
+    }
 
 
 # ====================================================== `mima fit` jobs in subprocesses (real processes, gloo)
@@ -106,7 +198,7 @@ def run_job(config: Path, out: Path, *extra: str, timeout: float = 600) -> subpr
     group: the first a fork of tests/job_server.py (the same `mima.cli.main`, imports done), the others
     started by Lightning as `sys.executable -m mima.__main__`, which in such a job is tests/rank_starter.py
     standing in for a fork of the same imports. In an environment other than the session's it
-    runs `python -m mima fit`. tests/test_cli_startup.py and the SLURM tests cover the command's own
+    runs `python -m mima fit`. tests/commands/test_cli_startup.py and the SLURM tests cover the command's own
     start-up."""
     argv = ["fit", "--config", str(config), "--out", str(out), *extra]
     if _one_process_job(config, extra):
@@ -237,7 +329,7 @@ class JobServer:
             raise RuntimeError(f"tests/job_server.py ended without the job's exit status (status {lines}); its log:\n"
                                + self.log.read().decode()[-3000:])
         completed = subprocess.CompletedProcess(["mima", *argv], int(lines[3]), stdout, stderr)
-        completed.pid = pid  # the job's first process: its process group's id (tests/test_job_server.py)
+        completed.pid = pid  # the job's first process: its process group's id (tests/distributed/test_job_server.py)
         return completed
 
 
@@ -544,6 +636,37 @@ def fake_mnist(root: Path, train: int = 60, test: int = 20) -> None:
         idx_file(root / "MNIST" / "raw" / f"{split}-labels-idx1-ubyte", np.arange(n) % 10)
 
 
+# ========================================================================= merge inputs as files
+def write_encoders(folder: Path, base: dict, scale: float) -> dict[str, Path]:
+    """`base` and two models base + scale x N(0, 1) noise (seeds 1, 2) as safetensors files in `folder`."""
+    paths = {"base": folder / "base.safetensors"}
+    save_state_dict(paths["base"], base)
+    for index in (1, 2):
+        generator = torch.Generator().manual_seed(index)
+        paths[f"m{index}"] = folder / f"m{index}.safetensors"
+        save_state_dict(paths[f"m{index}"], {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in base.items()})
+    return paths
+
+
+def merge_argv(method: str, encoders, output: Path, *extra, models=("m1", "m2"), base: bool = True) -> list:
+    """`mima merge` arguments; `models` names entries of `encoders` (or gives paths)."""
+    return (["merge", "--method", method] + (["--base", encoders["base"]] if base else [])
+            + ["--models", *[encoders[m] if isinstance(m, str) else m for m in models], "--output", output, *extra])
+
+
+POISONED_KEY = "transformer.resblocks.0.mlp.c_fc.weight"  # a matrix that CART, TSV and Iso-C decompose
+
+
+def poisoned(encoders, folder: Path, value: float) -> tuple[Path, str]:
+    """A copy of m2 with one entry of an MLP weight matrix set to `value`."""
+    state = load_state_dict(encoders["m2"])
+    key = POISONED_KEY
+    state[key].view(-1)[3] = value
+    path = folder / "poisoned.safetensors"
+    save_state_dict(path, state)
+    return path, key
+
+
 # ============================================================================== merge inputs in memory
 MLP_MATRIX = "transformer.resblocks.0.mlp.c_fc.weight"
 
@@ -559,6 +682,132 @@ def perturbed_models(count: int, seed: int = 0, shapes=((MLP_MATRIX, (12, 8)), (
         for _ in range(count)
     ]
     return base, models
+
+
+# The tensors of the per-matrix strategies' tests: a matrix, a wider one, a bias and a convolution kernel
+WIDE_MATRIX = "transformer.resblocks.1.mlp.c_proj.weight"
+MLP_BIAS = "transformer.resblocks.0.mlp.c_fc.bias"
+CONV_KERNEL = "conv1.weight"
+MATRICES_AND_OTHERS = ((MLP_MATRIX, (12, 8)), (WIDE_MATRIX, (5, 9)), (MLP_BIAS, (12,)), (CONV_KERNEL, (2, 3, 2, 2)))
+
+
+def task_vectors(base: dict, models: list[dict], key: str) -> list[np.ndarray]:
+    """Each model's task vector of tensor `key`, subtracted in float64."""
+    return [m[key].double().numpy() - base[key].double().numpy() for m in models]
+
+
+def clip_like_models(count: int, seed: int = 0, scale: float = 1.0):
+    """theta_0 with open_clip's names (an attention and an MLP weight, a bias, the positional embedding,
+    the projection, an integer `counter` = 3) and `count` copies with N(0, scale^2) noise on every
+    floating tensor."""
+    g = torch.Generator().manual_seed(seed)
+    base = {
+        "transformer.resblocks.0.attn.in_proj_weight": torch.randn(12, 4, generator=g),
+        "transformer.resblocks.0.mlp.c_fc.weight": torch.randn(8, 4, generator=g),
+        "transformer.resblocks.0.mlp.c_fc.bias": torch.randn(8, generator=g),
+        "positional_embedding": torch.randn(5, 4, generator=g),
+        "proj": torch.randn(4, 3, generator=g),
+        "counter": torch.tensor(3),
+    }
+    models = []
+    for _ in range(count):
+        models.append({k: (v + scale * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v.clone()
+                       for k, v in base.items()})
+    return base, models
+
+
+# open_clip-like names: three residual blocks, tensors before and after them, a 4-D patch
+# embedding, a 0-D tensor (and, in block_models, an integer counter)
+BLOCK_SHAPES = {
+    "conv1.weight": (4, 3, 2, 2),
+    "class_embedding": (4,),
+    "transformer.resblocks.0.attn.in_proj_weight": (12, 4),
+    "transformer.resblocks.0.ln_1.weight": (4,),
+    "transformer.resblocks.1.mlp.c_fc.weight": (8, 4),
+    "transformer.resblocks.1.mlp.c_fc.bias": (8,),
+    "transformer.resblocks.2.mlp.c_proj.weight": (4, 8),
+    "ln_post.weight": (4,),
+    "proj": (4, 3),
+    "logit_bias": (),
+}
+
+
+def block_models(count: int, seed: int):
+    """theta_0 of BLOCK_SHAPES (and `counter` = 7) and `count` copies with N(0, 0.25) noise."""
+    g = torch.Generator().manual_seed(seed)
+    base = {key: torch.randn(shape, generator=g) for key, shape in BLOCK_SHAPES.items()}
+    base["counter"] = torch.tensor(7)
+    models = [{k: v + 0.5 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone() for k, v in base.items()}
+              for _ in range(count)]
+    return base, models
+
+
+def block_task_vectors(base: dict, models: list[dict]) -> dict[str, np.ndarray]:
+    """[T, ...] task vectors of every BLOCK_SHAPES tensor, subtracted in float32 as the strategies do, then widened."""
+    return {key: np.stack([(m[key] - base[key]).numpy() for m in models]).astype(np.float64) for key in BLOCK_SHAPES}
+
+
+def save_models(folder: Path, base: dict, models: list[dict]) -> tuple[Path, list[Path]]:
+    """theta_0 and the models as safetensors files in `folder` (base.safetensors, m0.safetensors, ...)."""
+    save_state_dict(folder / "base.safetensors", base)
+    paths = []
+    for index, model in enumerate(models):
+        paths.append(folder / f"m{index}.safetensors")
+        save_state_dict(paths[-1], model)
+    return folder / "base.safetensors", paths
+
+
+def merge_files(method: str, base_path: Path, paths: list[Path], out: Path, *flags: str) -> int:
+    """`mima merge --method METHOD --base BASE --models PATHS --output OUT FLAGS`, in this process: its exit status."""
+    from mima.cli import main
+
+    return main(["merge", "--method", method, "--base", str(base_path), "--models", *map(str, paths), "--output", str(out),
+                 *flags])
+
+
+def assert_streamed_merge_matches(folder: Path, method: str, formula) -> None:
+    """`method` at its defaults, merged file to file by the streaming engine from safetensors copies of
+    perturbed_models(3, seed=10) in `folder`, writes every key in its dtype, keeps the integer counter, and
+    equals `formula(base, models)` (numpy arrays by key) within 1e-5."""
+    from mima.merging import get_method
+    from mima.merging.engine import merge_to_file, open_inputs
+
+    base, models = perturbed_models(3, seed=10)
+    base_path, paths = save_models(folder, base, models)
+    with open_inputs(paths, base_path) as inputs:
+        merge_to_file(get_method(method), inputs, folder / "out.safetensors", {}, {"method": method})
+    streamed = load_state_dict(folder / "out.safetensors")
+    assert set(streamed) == set(base)  # every key
+    for key, expected in formula(base, models).items():
+        assert streamed[key].dtype == base[key].dtype
+        np.testing.assert_allclose(streamed[key].numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=key)
+    assert int(streamed["counter"]) == 7
+
+
+@dataclass(frozen=True)
+class ClipTaskModels:
+    """theta_0 of the small CLIP's image encoder and two perturbed copies standing in for fine-tuned task
+    models (N(0, 0.05^2) noise, seeds 1 and 2), in memory and as safetensors files, with the config of the
+    two digits tasks they are for (tests/conftest.py's `clip_task_models`)."""
+
+    config: Path
+    base: dict[str, torch.Tensor]
+    models: list[dict[str, torch.Tensor]]
+    base_path: Path
+    paths: list[Path]
+
+
+def random_splits(g: torch.Generator, inputs: int, classes: int, train: int, test: int = 24) -> dict[str, tuple]:
+    """A task's train and test splits of random inputs and labels, for TinyPool."""
+    return {
+        "train": (torch.randn(train, inputs, generator=g), torch.randint(0, classes, (train,), generator=g)),
+        "test": (torch.randn(test, inputs, generator=g), torch.randint(0, classes, (test,), generator=g)),
+    }
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the module's state dict."""
+    return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
 
 def numpy_ties(taus: dict[str, np.ndarray], k: float) -> dict[str, np.ndarray]:

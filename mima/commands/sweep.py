@@ -58,14 +58,7 @@ def run_sweep(
     added to a finished sweep)."""
     started = time.time()
     check_seeds(seeds)
-    model = load_run_config(config).model  # checked and defaulted as `mima fit` would
-    steps = model.steps  # S, or S_t per task
-    budgets = steps if isinstance(steps, Mapping) else {"": steps}
-    for n in iterations:
-        for task, budget in budgets.items():
-            check_budget(int(budget), n, names=(f"model.steps.{task}" if task else "model.steps", "iterations"))
-    if joint and isinstance(steps, Mapping):
-        raise MimaError("model.steps: the joint baseline trains every task for one S; per-task budgets need --no-joint")
+    model = checked_model(config, iterations, joint)
     methods = data_free_per_model(merges)
     sweep = SweepFolder(out_dir)
     # a sweep over seeds replaces its own table when run again (e.g. with one more seed); any other
@@ -73,37 +66,65 @@ def run_sweep(
     sweep.prepare(overwrite or (seeds is not None and is_seed_sweep(sweep)))
     _quiet_lightning()
     seeds_note = "" if seeds is None else f", seeds {list(seeds)}"
-    print(f"{title}: S={steps} steps per task, N in {list(iterations)}{seeds_note}")
+    print(f"{title}: S={model.steps} steps per task, N in {list(iterations)}{seeds_note}")
     prepare_embedded_model(model, progress)
     run_dirs = []
-    settings = run_settings(sweep, iterations, seeds, joint)
-    for model_settings, seed, run_folder, label in settings:
-        run_started = time.time()
-        run_config = copy.deepcopy(dict(config))
-        run_config["model"] = {**run_config.get("model", {}), **model_settings}
-        if seed is not None:
-            run_config["seed_everything"] = seed
-            run_config["data"] = {**(run_config.get("data") or {}), "seed": seed}
-        run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
-        run_config.update(out=str(run_folder.path), overwrite=overwrite)
-        if not overwrite and run_folder.config_file.is_file():
-            # the same command again after a stop: each run resumes where it stopped (a finished one
-            # is kept as it is; a changed config is refused), and evaluation goes on from its cells
-            run_config["ckpt_path"] = "last"
-        result = run_fit(run_config)
-        if result.preempted_by is not None:
-            # a signal (or RUN/STOP) stopped this fit after saving: the sweep stops too, rather than
-            # going on to the next run; the same command resumes it
-            print(f"{title}: {label} stopped (state saved); run the same command to go on")
-            raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
-        run_dirs.append(result.run_dir)
-        print(f"{label}: trained in {time.time() - run_started:.0f} s")
+    for model_settings, seed, run_folder, label in run_settings(sweep, iterations, seeds, joint):
+        run_config = sweep_run_config(config, model_settings, seed, run_folder, overwrite, progress)
+        run_dirs.append(fit_sweep_run(run_config, label, title))
     if seeds is not None:  # selection.json records them beside the caller's extra
         extra = {**(extra or {}), "seeds": list(seeds)}
     return evaluate_runs(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
         extra=extra, started=started,
     )
+
+
+def checked_model(config: Mapping, iterations: Sequence[int], joint: bool) -> ModelSettings:
+    """The config's model settings, checked and defaulted as `mima fit` would, after checking that every
+    N in `iterations` divides each task's budget S (or S_t) as `mima fit` requires; per-task budgets
+    are refused for the joint baseline, which trains every task for one S."""
+    model = load_run_config(config).model
+    steps = model.steps  # S, or S_t per task
+    budgets = steps if isinstance(steps, Mapping) else {"": steps}
+    for n in iterations:
+        for task, budget in budgets.items():
+            check_budget(int(budget), n, names=(f"model.steps.{task}" if task else "model.steps", "iterations"))
+    if joint and isinstance(steps, Mapping):
+        raise MimaError("model.steps: the joint baseline trains every task for one S; per-task budgets need --no-joint")
+    return model
+
+
+def sweep_run_config(config: Mapping, model_settings: dict, seed: int | None, run_folder: RunFolder, overwrite: bool,
+                     progress: bool) -> dict:
+    """The `mima fit` config of one run of the sweep: `config` with the run's model settings, its seed
+    (seed_everything and data.seed; None keeps the config's), its folder, and a resume of what the folder
+    holds unless `overwrite`."""
+    run_config = copy.deepcopy(dict(config))
+    run_config["model"] = {**run_config.get("model", {}), **model_settings}
+    if seed is not None:
+        run_config["seed_everything"] = seed
+        run_config["data"] = {**(run_config.get("data") or {}), "seed": seed}
+    run_config["trainer"] = {**(run_config.get("trainer") or {}), "enable_progress_bar": progress, "enable_model_summary": False}
+    run_config.update(out=str(run_folder.path), overwrite=overwrite)
+    if not overwrite and run_folder.config_file.is_file():
+        # the same command again after a stop: each run resumes where it stopped (a finished one
+        # is kept as it is; a changed config is refused), and evaluation goes on from its cells
+        run_config["ckpt_path"] = "last"
+    return run_config
+
+
+def fit_sweep_run(run_config: dict, label: str, title: str) -> Path:
+    """Fit one run of the sweep and return its folder. A signal (or RUN/STOP) that stops the fit after
+    saving stops the sweep too (SystemExit), rather than going on to the next run; the same command
+    resumes it."""
+    run_started = time.time()
+    result = run_fit(run_config)
+    if result.preempted_by is not None:
+        print(f"{title}: {label} stopped (state saved); run the same command to go on")
+        raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
+    print(f"{label}: trained in {time.time() - run_started:.0f} s")
+    return result.run_dir
 
 
 RunSetting = tuple[dict, int | None, RunFolder, str]  # model settings, seed (None: the config's), folder, label

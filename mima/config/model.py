@@ -129,7 +129,7 @@ class ModelSettings:
             over the stacked weights (each task's learning rate, moments and gradient clipping its own),
             instead of one task after another. A phase then takes K process steps, not K per task. The
             task models equal those of the one-after-another schedule on the same batches up to
-            rounding (tests/test_batch_tasks.py states the tolerance), not bit for bit. true, false, or
+            rounding (tests/training/test_batch_tasks.py states the tolerance), not bit for bit. true, false, or
             "auto" (default): on where `mima fit`'s plan finds both on a CUDA GPU and the stacked models'
             memory fitting it, off on the CPU. Needs the process's tasks to have the same phase lengths;
             true refuses mode joint, proximal_mu > 0, batchnorm train, grad_checkpointing true and

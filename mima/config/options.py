@@ -2,7 +2,7 @@
 `model:` (mima.config.model.ModelSettings), `data:` (mima.data.settings.DataSettings), fit's own and
 Lightning's (mima.config.fit_options). What reads an option's facts by its key reads them here: the
 resume rule (mima.config.config_changes), a range checked by key (`check_value`), and the table of
-options in docs/configuration.md (`options_table`, which tests/test_stated_once.py holds the page to).
+options in docs/configuration.md (`options_table`, which tests/architecture/test_stated_once.py holds the page to).
 """
 
 from __future__ import annotations

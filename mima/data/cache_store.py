@@ -19,7 +19,7 @@ pace. With `data.cache: true` (or `mima data cache --config FILE` beforehand):
 
 The evaluation path gives open_clip's tensors: ToTensor is x / 255 in float32 and Normalize is
 (x - mean) / std, the same float operations in the same order, so on the CPU the tensors are equal
-(tests/test_data_cache.py asserts a max abs difference <= 1e-6; measured 0).
+(tests/data/test_data_cache.py asserts a max abs difference <= 1e-6; measured 0).
 """
 
 from __future__ import annotations

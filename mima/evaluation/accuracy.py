@@ -3,7 +3,7 @@
 What is counted is the number of correct predictions and the number of examples of a (task, split):
 integers, so that results computed by several processes, or over several sessions, add up exactly.
 The accuracy is derived from them as torchmetrics' MulticlassAccuracy (micro) computes it: the two
-counts as float32, divided in float32 (`accuracy_of`; tests/test_evaluate.py checks the equality).
+counts as float32, divided in float32 (`accuracy_of`; tests/evaluation/test_evaluate.py checks the equality).
 
 The evaluation loop records which images it classified correctly (`correct_images`, in the
 dataset's order: the per-image records that mima.evaluation.statistics compares models on), keeps

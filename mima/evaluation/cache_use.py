@@ -15,7 +15,7 @@ The one place where the switch's spellings and their meaning are written; light 
         that way, normalised on the CPU).
 
 Both paths apply the same float32 operations to the same pixels (x / 255, then (x - mean) / std), so
-on the CPU their results are equal (tests/test_evaluate_cache.py); on a GPU the compiled encoder may
+on the CPU their results are equal (tests/evaluation/test_evaluate_cache.py); on a GPU the compiled encoder may
 differ from the uncompiled one in the last bits of its features.
 """
 

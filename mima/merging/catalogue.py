@@ -10,7 +10,7 @@ method reads everything else from here (`paper`, `summary`, `needs_base`, `defau
 registry checks each declaration as the strategy registers (its type is the declared kind; defaults and
 grid values its hyperparameters accept) and, once all are loaded, that every name here was registered.
 The strategy tables of README.md and docs/merging.md are rendered from here
-(mima.merging.strategy_tables; tests/test_strategy_tables.py holds them to it).
+(mima.merging.strategy_tables; tests/docs/test_strategy_tables.py holds them to it).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Strategy:
 
 # The default of `matrix_keys` of CART and the merges built on it: the official rule
 # (mima.merging.cart.cart_matrix_key) written as a pattern, for the places that take a pattern (the rank
-# sweep's --matrix-keys). `is_matrix` applies the rule itself when given this value; `test_merge_cart.py`
+# sweep's --matrix-keys). `is_matrix` applies the rule itself when given this value; `tests/merging/test_cart.py`
 # checks that both agree.
 DEFAULT_MATRIX_KEYS = r"^(?=[\s\S]*(?:attn|mlp))(?![\s\S]*(?:ln|bias))"
 # The pattern of "every 2-D tensor is a matrix" (Iso-C, Iso-CTS and WUDI's reference default).

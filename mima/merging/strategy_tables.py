@@ -6,7 +6,7 @@ In a page, each table follows its marker line and runs to the first line that is
 
     <!-- strategy table: overview (python -m mima.merging.strategy_tables) -->
 
-tests/test_strategy_tables.py holds each page's table to its rendering. After changing a declaration,
+tests/docs/test_strategy_tables.py holds each page's table to its rendering. After changing a declaration,
 in a checkout:
 
     python -m mima.merging.strategy_tables      # rewrite the tables of README.md and docs/merging.md

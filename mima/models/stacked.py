@@ -15,7 +15,7 @@ Why this equals training the tasks one after another:
   - gradient clipping is per task (`clip_per_task`): the norm of each slice's gradients, not of
     all tasks together.
 What differs is rounding: batched matrix products sum in another order than L separate ones, so
-the task models agree within a tolerance, not bit for bit (tests/test_stacked_encoder.py).
+the task models agree within a tolerance, not bit for bit (tests/models/test_stacked_encoder.py).
 
 The encoder's own module is kept on the meta device as the code to call (its tensors take no
 memory); buffers (frozen BatchNorm statistics, fixed masks) are shared by every task, not

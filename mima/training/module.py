@@ -271,9 +271,9 @@ class MimaModule(L.LightningModule):
         # the optimiser minimises the loss with the proximal term; the task's own loss is what is logged,
         # divided by the micro-batch count as Lightning divides "loss" (an extra key it leaves as it is)
         task_loss = loss.detach() / self.trainer.accumulate_grad_batches
-        return {"loss": loss + mu / 2 * self._distance_to_phase_start(), "task_loss": task_loss}
+        return {"loss": loss + mu / 2 * self.distance_to_phase_start(), "task_loss": task_loss}
 
-    def _distance_to_phase_start(self) -> torch.Tensor:
+    def distance_to_phase_start(self) -> torch.Tensor:
         """||theta - theta_s||^2 over the trained parameters (FedProx's proximal term without mu / 2),
         summed in the parameters' order, the same on every process."""
         if self.phase_start is None:

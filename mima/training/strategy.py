@@ -91,7 +91,7 @@ class MimaStrategy(DDPStrategy):
         # syncs, so that broadcast would pair unrelated steps and deadlock; stop requests go through
         # mima.training.preemption instead. Lightning offers no public switch for this broadcast
         # (an open proposal, Lightning PR #21640, adds `broadcast_sigterm_every_n_steps`): this is the
-        # one private Lightning name mima still touches (tests/test_private_access.py lists it).
+        # one private Lightning name mima still touches (tests/architecture/test_private_access.py lists it).
         epoch_loop = trainer.fit_loop.epoch_loop
         if not callable(getattr(epoch_loop, "_broadcast_sigterm_tensor", None)):
             # a Lightning whose loop changed: the broadcast may be elsewhere now, and would deadlock

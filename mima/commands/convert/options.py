@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The MLP activations of open_clip's ViT, as mima.models.hf_clip.ACTIVATIONS names them (that module
-# imports torch; tests/test_cli_startup.py checks both lists agree).
+# imports torch; tests/commands/test_cli_startup.py checks both lists agree).
 ACTIVATIONS = ("quick_gelu", "gelu")
 
 
