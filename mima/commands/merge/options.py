@@ -46,8 +46,11 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--select-on", choices=SELECT_ON, help="choose hyperparameters on the validation splits")
     parser.add_argument("--overwrite", action="store_true", help="replace --output (and its results) if they exist")
     parser.add_argument("--allow-non-finite", action="store_true",
-                        help="merge weights holding NaN or Inf as they are (by default an input tensor holding them is an "
-                        "error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge --lam)")
+                        help="let weights holding NaN or Inf through the input check (by default an input tensor holding them "
+                        "is an error naming the file and tensor, and so is a merged tensor that overflows, e.g. with a huge "
+                        "--lam): a method working entry by entry keeps them in the entries they reach and the merge is "
+                        "written with a warning line; one that needs a whole tensor (an SVD, a solve, the tasks' data) "
+                        "refuses in one line (docs/merging.md, Degenerate inputs)")
     parser.add_argument("--log-to-tracker", action="store_true",
                         help="also log the results (merge/<method>/<task> test accuracies) to the experiment-tracker runs "
                         "the run folder's `mima fit` logged to (needs --models RUN_FOLDER)")
