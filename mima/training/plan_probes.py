@@ -13,6 +13,7 @@ mima.training.resource_plan.
 from __future__ import annotations
 
 import io
+import os
 import re
 from pathlib import Path
 
@@ -88,10 +89,20 @@ def accelerator_refusal(trainer) -> str | None:
         return f"trainer.accelerator={accelerator!r}: {machine_devices()}; {fix}"
     devices = trainer.get("devices")
     wanted = int(devices) if isinstance(devices, int | str) and str(devices).isdigit() else None
-    if name in ("gpu", "cuda") and wanted is not None and wanted > cuda_device_count():
+    if name in ("gpu", "cuda") and wanted is not None and wanted > cuda_device_count() and not launcher_binds_devices():
         return (f"trainer.devices={wanted} with trainer.accelerator={accelerator!r}: {machine_devices()}; "
                 f"give --trainer.devices {cuda_device_count()} or fewer")
     return None
+
+
+LAUNCHER_VARIABLES = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
+def launcher_binds_devices() -> bool:
+    """Whether a launcher (SLURM, torchrun, Lightning's own for the processes after the first) made
+    this process: it may see only its own GPU (slurm/one_gpu_task.sh) while trainer.devices counts a
+    node's, so the count is Lightning's to judge there, not this machine's visible devices."""
+    return any(variable in os.environ for variable in LAUNCHER_VARIABLES)
 
 
 def tensorboard_installed() -> bool:

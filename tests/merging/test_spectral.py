@@ -456,7 +456,7 @@ def test_non_finite_weights_are_refused_in_one_line(method):
     with pytest.raises(MimaError) as allowed:
         get_method(method)(models, base, allow_non_finite=True)
     step = "solve" if method == "ace" else "SVD"
-    assert str(allowed.value) == (f"{method}: tensor '{MATRIX}' holds NaN or Inf values, which allow_non_finite "
+    assert str(allowed.value) == (f"{method}: tensor '{MLP_MATRIX}' holds NaN or Inf values, which allow_non_finite "
                                   f"(--allow-non-finite) let through; its {step} cannot take them")
 
 

@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from mima.core.layout import TaskLayout
+from mima.training.plan_probes import LAUNCHER_VARIABLES
 
 from tests.helpers import assert_one_line, cli, fit_config, unchanged
 
@@ -172,6 +173,8 @@ def test_more_gpus_than_the_machine_has_is_one_line_before_the_model_loads(tmp_p
                                                                           no_model_load):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for variable in LAUNCHER_VARIABLES:  # a process a launcher made is Lightning's to judge (one GPU per task)
+        monkeypatch.delenv(variable, raising=False)
     path = config_file(tmp_path, small_clip)
     with unchanged(tmp_path):
         outcome = cli(["fit", "--config", path, "--out", tmp_path / "run", "--trainer.accelerator", "gpu",
