@@ -1082,3 +1082,16 @@ def assert_killed_and_resumed_ends_as(tmp_path: Path, clip: str, tasks: list[str
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     assert_identical(finals(out, tasks), expected)
 
+
+
+def assert_merge_flags_refused(tmp_path: Path, capsys, flags: list[str], fragment: str) -> None:
+    """`mima merge FLAGS` over two small block models: exit 2, one stderr line holding `fragment`, no output."""
+    from mima.cli import main
+
+    base, models = block_models(2, seed=10)
+    base_path, paths = save_models(tmp_path, base, models)
+    out = tmp_path / "out.safetensors"
+    code = main(["merge", *flags, "--base", str(base_path), "--models", *map(str, paths), "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and fragment in err[0], err
+    assert not out.exists()

@@ -16,6 +16,7 @@ from mima.cli import main
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
+from tests.helpers import assert_merge_flags_refused
 from tests.helpers import (BLOCK_SHAPES, CONV_KERNEL, MATRICES_AND_OTHERS, MLP_BIAS, MLP_MATRIX, WIDE_MATRIX,
                            assert_streamed_merge_matches, block_models, block_task_vectors, clip_like_models, merge_files,
                            numpy_ties, perturbed_models, save_models, task_vectors)
@@ -225,13 +226,7 @@ def test_bad_hyperparameters_are_one_line_errors(method, given, fragment):
     (["--method", "lines", "--k", "20"], "--k does not apply to merge method 'lines'"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, fragment):
-    base, models = block_models(2, seed=10)
-    base_path, paths = save_models(tmp_path, base, models)
-    out = tmp_path / "out.safetensors"
-    code = main(["merge", *flags, "--base", str(base_path), "--models", *map(str, paths), "--output", str(out)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and fragment in err[0], err
-    assert not out.exists()
+    assert_merge_flags_refused(tmp_path, capsys, flags, fragment)
 
 
 def test_defaults_and_grids_follow_the_references():

@@ -29,6 +29,7 @@ from mima.merging.pool import Pool
 from mima.merging.regmean import regmean_weight
 from mima.merging.selection import merge_with_defaults
 from mima.pools import task_pool
+from tests.helpers import assert_merge_flags_refused
 from tests.helpers import TinyPool, block_models, random_splits, save_models, state_of
 
 TASKS = ["rot90", "mirror"]
@@ -479,10 +480,4 @@ def test_data_strategies_need_a_pool():
     (["--method", "regmean_plus_plus", "--alpha", "1.5"], "--alpha must be a number in [0, 1], got 1.5"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, fragment):
-    base, models = block_models(2, seed=10)
-    base_path, paths = save_models(tmp_path, base, models)
-    out = tmp_path / "out.safetensors"
-    code = main(["merge", *flags, "--base", str(base_path), "--models", *map(str, paths), "--output", str(out)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and fragment in err[0], err
-    assert not out.exists()
+    assert_merge_flags_refused(tmp_path, capsys, flags, fragment)

@@ -18,6 +18,7 @@ from mima.merging.breadcrumbs import breadcrumb_mask
 from mima.merging.common import pack, unpack
 from mima.merging.dare import dare
 from mima.merging.della import keep_probabilities, magprune
+from tests.helpers import assert_merge_flags_refused
 from tests.helpers import (BLOCK_SHAPES, MLP_MATRIX, assert_streamed_merge_matches, block_models, block_task_vectors, merge_files,
                            numpy_ties, perturbed_models, save_models)
 
@@ -340,13 +341,7 @@ def test_consensus_and_tall_check_the_number_of_mask_lambdas():
     (["--method", "emr", "--lam", "1"], "--lam does not apply to merge method 'emr'"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, fragment):
-    base, models = block_models(2, seed=10)
-    base_path, paths = save_models(tmp_path, base, models)
-    out = tmp_path / "out.safetensors"
-    code = main(["merge", *flags, "--base", str(base_path), "--models", *map(str, paths), "--output", str(out)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and fragment in err[0], err
-    assert not out.exists()
+    assert_merge_flags_refused(tmp_path, capsys, flags, fragment)
 
 
 # -------------------------------------------------------------------------------------- mima merge
