@@ -81,6 +81,25 @@ class ResumeCut(dict):
         self.redeal = redeal
         self.set_aside = list(set_aside)
 
+    def describe(self) -> str:
+        """The one state a resume starts from, in words: the phase, each process's step and the files.
+        A cut may hold processes at different steps of one phase (between syncs each goes its own way,
+        and a stop finds them where it finds them), so one process step alone would not name it."""
+        saved = {rank: STATE_NAME.match(path.name) for rank, path in sorted(self.items())}
+        phases = sorted({int(name.group(1)) for name in saved.values()})
+        steps = {rank: int(name.group(2)) for rank, name in saved.items()}
+        at = f"phase {', '.join(map(str, phases))}"
+        folders = sorted({str(path.parent.parent) for path in self.values()})
+        if len(saved) == 1:
+            rank, path = next(iter(self.items()))
+            return f"the state of {at} at process step {steps[rank]} ({path})"
+        if len(set(steps.values())) == 1 and len({path.name for path in self.values()}) == 1 and len(folders) == 1:
+            path = next(iter(self.values()))
+            return (f"the states of {at} at process step {steps[min(steps)]} of all {len(steps)} processes "
+                    f"({folders[0]}/rank-*/{path.name})")
+        each = ", ".join(f"process {rank} at step {step}" for rank, step in steps.items())
+        return f"the states of {at} with {each} ({', '.join(str(self[rank]) for rank in sorted(self))})"
+
 
 @dataclass
 class RunStart:

@@ -114,7 +114,7 @@ def test_sigkill_twice_and_resume_with_two_phases_is_bit_identical(tmp_path, sma
         result = run_job(config, out, "--checkpoint_every", "2 phases", *options)
         assert result.returncode == (-signal.SIGKILL if kill_step else 0), result.stderr[-3000:]
         if resumed_from:
-            assert f"resuming from process steps {resumed_from} (" in result.stdout
+            assert f"at process step {resumed_from} of all 2 processes (" in result.stdout, result.stdout[-2000:]
     assert_identical(finals(out, FOUR), reference(1, FOUR, SIX))
     phases = [json.loads(line)["phase"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert phases == list(range(1, PHASES + 1))

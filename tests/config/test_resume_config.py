@@ -82,7 +82,7 @@ def test_a_harmless_change_is_accepted_recorded_and_gives_the_same_weights(whole
     changes = {"trainer.enable_progress_bar": "true", "checkpoint_every": "phase"}
     result = cli(fit_argv(small_clip, stopped_run, ckpt_path="last", **changes), capfd)
     assert result.code == 0 and "Traceback" not in result.err, result.err
-    assert "resuming from process steps" in result.out, result.out[:600]
+    assert "mima fit: resuming from the state of phase " in result.out, result.out[:600]
     for task in TASKS:
         resumed = load_state_dict(stopped_run / "final" / f"{task}.safetensors")
         uninterrupted = load_state_dict(whole_run / "final" / f"{task}.safetensors")

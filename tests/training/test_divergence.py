@@ -86,9 +86,9 @@ def test_a_run_that_diverges_stops_with_one_line_and_resumes_from_its_last_good_
     # (mirror's segment start) is saved, then mirror's loss is NaN at step 11
     result = run_job(poisoned_config(tmp_path / "poison.yaml", small_clip, 1, step=11), out)
     lines = [the_divergence_line(result)]
-    assert re.fullmatch(r"mima fit: error: task mirror diverged: loss nan at process step 11; last good checkpoint: "
-                        rf"process steps 8 in {re.escape(str(out / 'checkpoints'))} \(--ckpt_path last resumes from it\)",
-                        lines[0]), lines[0]
+    state = out / "checkpoints" / "ranks" / "rank-00000" / "phase-0000-step-00000008.ckpt"
+    assert lines[0] == ("mima fit: error: task mirror diverged: loss nan at process step 11; last good checkpoint: "
+                        f"the state of phase 0 at process step 8 ({state}); --ckpt_path last resumes from it"), lines[0]
     assert not (out / "final").exists()
     saved = states(out)
     assert [p.name for p in saved] == ["phase-0000-step-00000008.ckpt"]
@@ -96,7 +96,7 @@ def test_a_run_that_diverges_stops_with_one_line_and_resumes_from_its_last_good_
     # the same run resumed without the poison ends as the uninterrupted one
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 1), out, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from process steps 8" in resumed.stdout
+    assert f"mima fit: resuming from the state of phase 0 at process step 8 ({state})" in resumed.stdout.splitlines()
     assert_identical(finals(out, TWO), reference(1, TWO))
 
 
@@ -146,22 +146,53 @@ def test_an_infinite_gradient_norm_under_clipping_stops_the_run_at_its_step(tmp_
     assert not (out / "final").exists() and states(out) == []
 
 
+def newest_cut(run: Path) -> dict[int, tuple[int, int]]:
+    """rank -> (phase, step) of the state each process resumes from, by the rule written out here: the
+    newest phase in which every process has a state, and each process's newest state of that phase (one
+    task per process, so no replicas need to agree)."""
+    saved: dict[int, list[tuple[int, int]]] = {}
+    for path in states(run):
+        phase, step = (int(n) for n in re.fullmatch(r"phase-(\d+)-step-(\d+)\.ckpt", path.name).groups())
+        saved.setdefault(int(path.parent.name.split("-")[1]), []).append((phase, step))
+    phase = min(max(p for p, _ in pairs) for pairs in saved.values())
+    while not all(any(p == phase for p, _ in pairs) for pairs in saved.values()):
+        phase -= 1
+    return {rank: max(pair for pair in pairs if pair[0] == phase) for rank, pairs in sorted(saved.items())}
+
+
+def cut_in_words(line: str) -> dict[int, tuple[int, int]]:
+    """rank -> (phase, step) as a "last good checkpoint" or "resuming from" line of two processes names it."""
+    same = re.search(r"the states of phase (\d+) at process step (\d+) of all 2 processes", line)
+    if same:
+        return {rank: (int(same.group(1)), int(same.group(2))) for rank in (0, 1)}
+    mixed = re.search(r"the states of phase (\d+) with process 0 at step (\d+), process 1 at step (\d+) ", line)
+    assert mixed, line
+    return {0: (int(mixed.group(1)), int(mixed.group(2))), 1: (int(mixed.group(1)), int(mixed.group(3)))}
+
+
 @pytest.mark.slow
 def test_when_one_of_two_processes_diverges_both_stop(tmp_path, small_clip, reference):
     out = tmp_path / "run"
-    # one task per process, K = 8: after the first sync (step 8) rank 1's loss is NaN at step 11, found at its
-    # segment end (step 15) before the sync; rank 0 waits at that sync and stops there, saving its state (sync
-    # pending), which cannot form a cut with rank 1's last good state (step 8): the cut is both at step 8
-    result = run_job(poisoned_config(tmp_path / "poison.yaml", small_clip, 2, step=11, rank=1), out, timeout=180)
-    lines = [the_divergence_line(result)]
-    assert re.fullmatch(r"mima fit: error: task mirror diverged: loss nan at process step 11 of process 1; last good "
-                        r"checkpoint: process steps 8 in .* \(--ckpt_path last resumes from it\)", lines[0]), lines[0]
+    # one task per process, K = 8: after the first sync (step 8) rank 1's loss is NaN at step 11, found at the
+    # latest at its segment end (step 15). Where rank 0 hears of it depends on the two processes' speeds: at
+    # a step boundary of phase 1 (it saves a state there) or at the sync it waits in (its state there, sync
+    # pending, cannot form a cut with rank 1's). Whatever it was, the line names the one cut on disk.
+    result = run_job(poisoned_config(tmp_path / "poison.yaml", small_clip, 2, step=11, rank=1), out, timeout=300)
+    line = the_divergence_line(result)
+    assert line.startswith("mima fit: error: task mirror diverged: loss nan at process step 11 of process 1; last good "
+                           "checkpoint: the states of phase 1 ") and line.endswith("; --ckpt_path last resumes from it"), line
     assert not (out / "final").exists()
     for state in states(out):
         assert all_finite(tensors_of(torch.load(state, weights_only=True), out)), state
+    # rank 1 saved nothing after its last good state, whatever rank 0 did
     assert [p.name for p in (out / "checkpoints" / "ranks" / "rank-00001").glob("*.ckpt")] == ["phase-0001-step-00000008.ckpt"]
+    cut = newest_cut(out)
+    assert cut[1] == (1, 8) and cut[0][0] == 1 and 8 <= cut[0][1] <= 16, cut
+    assert cut_in_words(line) == cut, (line, cut)
     resumed = run_job(write_config(tmp_path / "plain.yaml", small_clip, TWO, 2), out, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resuming = next(line for line in resumed.stdout.splitlines() if line.startswith("mima fit: resuming from "))
+    assert resuming.removeprefix("mima fit: resuming from ") == line.split("last good checkpoint: ")[1].split("; --ckpt_path")[0]
     assert_identical(finals(out, TWO), reference(1, TWO))  # the same at any W <= T
 
 
@@ -219,3 +250,19 @@ def test_finite_values_whose_norm_overflows_are_finite():
     state["layer3.weight"].fill_(3e38)  # float32's largest is 3.4e38: the squares overflow to inf
     assert not torch.isfinite(torch.nn.utils.get_total_norm(list(state.values())))
     assert nonfinite_key(state) is None
+
+
+# ------------------------------------------------------------------ the one cut, in words
+def test_a_cut_is_named_by_its_phase_each_process_step_and_its_files(tmp_path):
+    from mima.training.resume import ResumeCut
+
+    ranks = tmp_path / "checkpoints" / "ranks"
+    one = ranks / "rank-00000" / "phase-0000-step-00000008.ckpt"
+    assert ResumeCut({0: one}, 1).describe() == f"the state of phase 0 at process step 8 ({one})"
+    same = {rank: ranks / f"rank-0000{rank}" / "phase-0001-step-00000008.ckpt" for rank in (0, 1, 2)}
+    assert ResumeCut(same, 3).describe() == \
+        f"the states of phase 1 at process step 8 of all 3 processes ({ranks}/rank-*/phase-0001-step-00000008.ckpt)"
+    mixed = {1: ranks / "rank-00001" / "phase-0001-step-00000008.ckpt", 0: ranks / "rank-00000" / "phase-0001-step-00000012.ckpt"}
+    words = ResumeCut(mixed, 2).describe()
+    assert words == f"the states of phase 1 with process 0 at step 12, process 1 at step 8 ({mixed[0]}, {mixed[1]})"
+    assert cut_in_words(words + " ") == {0: (1, 12), 1: (1, 8)}

@@ -20,7 +20,6 @@ from mima.services.fit.build import FitRun, build_trainer
 from mima.services.fit.config import ConfigLayers
 from mima.services.fit.program import build_program, fit_settings
 from mima.services.fit.settings import FitSettings
-from mima.training.checkpoint_format import STATE_NAME
 from mima.training.determinism import deterministic_refusal
 from mima.training.resume import log_resume, resolve_resume
 from mima.training.trainer import Launch, missing_finals, run_finished
@@ -99,8 +98,7 @@ def prepare_folder(run: FitRun, folder: RunFolder, launch: Launch, resuming: boo
     folder.stop_file.unlink(missing_ok=True)  # a stop asked of an earlier attempt is not one of this
     log_resume(launch.notes)
     if resuming:
-        steps = sorted({int(p.name.split("step-")[1][:8]) for p in (launch.resume_states or {}).values()})
-        print(f"mima fit: resuming from process steps {', '.join(map(str, steps))} ({folder.checkpoints_dir})"
+        print(f"mima fit: resuming from {launch.resume_states.describe()}"
               if launch.resume_states else "mima fit: no checkpoint yet, starting fresh")
     if launch.config_changes is not None and launch.config_changes.harmless:
         folder.append_config_changes(launch.config_changes.record())
@@ -182,5 +180,4 @@ def last_good_checkpoint(run: RunFolder, launch: Launch) -> str:
     cut, _ = resolve_resume("last", run.path, launch.layout, launch.identity)
     if cut is None:
         return "no checkpoint was saved before it (nothing non-finite was written; --ckpt_path last starts afresh)"
-    steps = ", ".join(map(str, sorted({int(STATE_NAME.match(path.name).group(2)) for path in cut.values()})))
-    return f"last good checkpoint: process steps {steps} in {run.checkpoints_dir} (--ckpt_path last resumes from it)"
+    return f"last good checkpoint: {cut.describe()}; --ckpt_path last resumes from it"
