@@ -14,6 +14,7 @@ import contextlib
 import csv
 import functools
 import hashlib
+import importlib.util
 import io
 import json
 import errno
@@ -138,6 +139,33 @@ def fit_config(out: Path, clip: str, tasks: list[str], steps: int, iterations: i
         },
         "out": str(out),
     }
+
+
+# ====================================================== benchmarks/study.py on tiny grids
+STUDY_TASKS = ("rot90", "mirror")  # the tiny studies' task family: two digits tasks
+
+
+def load_study():
+    """benchmarks/study.py as a module (benchmarks/ is no package; loading it puts benchmarks/ on
+    sys.path, so its study_claims and study_gap import as it does)."""
+    spec = importlib.util.spec_from_file_location("study", REPO / "benchmarks" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["study"] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_study_base(clip: str) -> dict:
+    """The base `mima fit` config of a tiny study: `clip` on STUDY_TASKS at S = 4 (the grid sets the
+    tasks' count, N, the seeds and the operator)."""
+    base = fit_config(Path("unused"), clip, list(STUDY_TASKS), steps=4, iterations=1)
+    base.pop("out")
+    return base
+
+
+def final_bytes(run: Path) -> dict[str, bytes]:
+    """A run folder's final/ files by name."""
+    return {path.name: path.read_bytes() for path in sorted((run / "final").glob("*.safetensors"))}
 
 
 # ====================================================== `mima fit` jobs in subprocesses (real processes, gloo)
@@ -581,6 +609,20 @@ def tiny_image(path: Path, seed: int, size: int = 6, mode: str = "RGB") -> None:
     Image.fromarray(pixels).convert(mode).save(path)
 
 
+def dark_and_light_pngs(root: Path, seed: int, per_class: int, smallest: int, noise: float,
+                        modes: tuple[str, ...] = ("RGB",)) -> None:
+    """Two classes of PNGs, root/dark and root/light (mean brightness 60 and 180, Gaussian noise of std
+    `noise`), of mixed sizes and aspect ratios (each side from `smallest` to 39 pixels); the i-th image
+    of a class in mode modes[i % len(modes)]."""
+    rng = np.random.default_rng(seed)
+    for label, name in enumerate(("dark", "light")):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            height, width = int(rng.integers(smallest, 40)), int(rng.integers(smallest, 40))
+            pixels = np.clip(60 + 120 * label + rng.normal(0, noise, (height, width, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).convert(modes[i % len(modes)]).save(root / name / f"{i:02d}.png")
+
+
 def class_tree(folder: Path, classes, per_class: int, ext: str = "png", start: int = 0) -> None:
     for c, name in enumerate(classes):
         for i in range(per_class):
@@ -689,6 +731,24 @@ WIDE_MATRIX = "transformer.resblocks.1.mlp.c_proj.weight"
 MLP_BIAS = "transformer.resblocks.0.mlp.c_fc.bias"
 CONV_KERNEL = "conv1.weight"
 MATRICES_AND_OTHERS = ((MLP_MATRIX, (12, 8)), (WIDE_MATRIX, (5, 9)), (MLP_BIAS, (12,)), (CONV_KERNEL, (2, 3, 2, 2)))
+
+
+def matrix_models(count: int, seed: int = 0, shapes=MATRICES_AND_OTHERS):
+    """theta_0 (with an integer tensor) and `count` perturbed copies: two matrices, a bias, a kernel."""
+    return perturbed_models(count, seed, shapes)
+
+
+def merged_from_files(folder: Path, method: str, flags: list[str], seed: int = 12) -> tuple[dict, list[dict], dict]:
+    """`mima merge --method METHOD FLAGS` over matrix_models(3, seed) saved as files in `folder`:
+    (theta_0, the models, the merge it wrote), its exit status 0 and every key kept (the integer
+    counter as it was) checked."""
+    base, models = matrix_models(3, seed)
+    base_path, paths = save_models(folder, base, models)
+    out = folder / f"{method}.safetensors"
+    assert merge_files(method, base_path, paths, out, *flags) == 0
+    written = load_state_dict(out)
+    assert sorted(written) == sorted(base) and int(written["counter"]) == 7
+    return base, models, written
 
 
 def task_vectors(base: dict, models: list[dict], key: str) -> list[np.ndarray]:

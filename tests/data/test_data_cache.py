@@ -26,7 +26,7 @@ from mima.data.clip_tasks import TASKS
 from mima.data.datamodule import TaskSuiteDataModule
 from mima.data.sampler import PhaseBatchSampler
 from mima.data.tasks import LoadOptions
-from tests.helpers import run_command
+from tests.helpers import dark_and_light_pngs, run_command
 
 # Max abs difference allowed between the cached evaluation path and open_clip's transform: both do
 # float32 x / 255 then (x - mean) / std, so on the CPU they agree exactly; 1e-6 leaves room for a
@@ -41,15 +41,7 @@ def _transforms(size: int):
 
 def _write_pngs(root: Path, seed: int = 0) -> None:
     """Two classes of PNGs of mixed sizes, aspect ratios and modes (RGB, greyscale, palette)."""
-    rng = np.random.default_rng(seed)
-    for label, name in enumerate(("dark", "light")):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(12):
-            height, width = int(rng.integers(14, 40)), int(rng.integers(14, 40))
-            pixels = np.clip(60 + 120 * label + rng.normal(0, 40, (height, width, 3)), 0, 255).astype(np.uint8)
-            image = Image.fromarray(pixels)
-            image = image.convert(("RGB", "L", "P")[i % 3])
-            image.save(root / name / f"{i:02d}.png")
+    dark_and_light_pngs(root, seed, per_class=12, smallest=14, noise=40, modes=("RGB", "L", "P"))
 
 
 def _max_difference(cached, reference) -> float:

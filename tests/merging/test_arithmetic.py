@@ -12,19 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from mima.cli import main
 from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from tests.helpers import assert_merge_flags_refused
-from tests.helpers import (BLOCK_SHAPES, CONV_KERNEL, MATRICES_AND_OTHERS, MLP_BIAS, MLP_MATRIX, WIDE_MATRIX,
-                           assert_streamed_merge_matches, block_models, block_task_vectors, clip_like_models, merge_files,
-                           numpy_ties, perturbed_models, save_models, task_vectors)
-
-
-def _matrix_models(count: int, seed: int = 0, shapes=MATRICES_AND_OTHERS):
-    """theta_0 (with an integer tensor) and `count` perturbed copies: two matrices, a bias, a kernel."""
-    return perturbed_models(count, seed, shapes)
+from tests.helpers import (BLOCK_SHAPES, CONV_KERNEL, MLP_BIAS, MLP_MATRIX, WIDE_MATRIX, assert_streamed_merge_matches,
+                           block_models, block_task_vectors, clip_like_models, matrix_models, merge_files, merged_from_files,
+                           numpy_ties, save_models, task_vectors)
 
 
 # --------------------------------------------------------------------- uniform and task arithmetic
@@ -68,7 +62,7 @@ def test_magmax_hand_worked_with_ties_going_to_the_later_task():
 
 
 def test_magmax_matches_a_numpy_argmax_on_every_tensor():
-    base, models = _matrix_models(4, seed=7)
+    base, models = matrix_models(4, seed=7)
     merged = get_method("magmax")(models, base)  # default lam 0.5
     for key in (MLP_MATRIX, WIDE_MATRIX, MLP_BIAS, CONV_KERNEL):
         taus = np.stack(task_vectors(base, models, key))
@@ -110,7 +104,7 @@ def _numpy_model_stock(base_value: np.ndarray, values: list[np.ndarray]) -> np.n
 
 @pytest.mark.parametrize("count", [2, 4])
 def test_model_stock_matches_the_reference_steps(count):
-    base, models = _matrix_models(count, seed=8)
+    base, models = matrix_models(count, seed=8)
     g = torch.Generator().manual_seed(9)
     shared = {k: torch.randn(v.shape, generator=g) for k, v in base.items() if v.is_floating_point()}
     # a shared direction makes the angles (and so the per-tensor ratios) differ from 90 degrees
@@ -123,7 +117,7 @@ def test_model_stock_matches_the_reference_steps(count):
 
 
 def test_model_stock_needs_two_models():
-    base, models = _matrix_models(1, seed=10)
+    base, models = matrix_models(1, seed=10)
     with pytest.raises(MimaError, match="at least 2"):
         get_method("model_stock")(models, base)
 
@@ -208,7 +202,7 @@ def test_lines_refuses_names_without_blocks_and_an_undefined_auto_alpha():
     ("model_stock", {"lam": 0.5}, "takes no hyperparameter 'lam'"),
 ])
 def test_bad_hyperparameters_are_one_line_errors(method, given, fragment):
-    base, models = _matrix_models(2, seed=11)
+    base, models = matrix_models(2, seed=11)
     with pytest.raises(MimaError) as error:
         get_method(method)(models, base, **given)
     assert fragment in str(error.value) and "\n" not in str(error.value)
@@ -259,12 +253,7 @@ def _magmax(theta_0: np.ndarray, taus: list[np.ndarray], lam: float) -> np.ndarr
 
 @pytest.mark.parametrize("method, flags", [("magmax", ["--lam", "0.3"]), ("model_stock", [])])
 def test_mima_merge_from_safetensors_files(method, flags, tmp_path, capsys):
-    base, models = _matrix_models(3, seed=12)
-    base_path, paths = save_models(tmp_path, base, models)
-    out = tmp_path / f"{method}.safetensors"
-    assert merge_files(method, base_path, paths, out, *flags) == 0
-    written = load_state_dict(out)
-    assert sorted(written) == sorted(base) and int(written["counter"]) == 7
+    base, models, written = merged_from_files(tmp_path, method, flags)
     for key in (MLP_MATRIX, WIDE_MATRIX, MLP_BIAS, CONV_KERNEL):  # both treat every tensor alike
         theta_0 = base[key].double().numpy()
         if method == "magmax":

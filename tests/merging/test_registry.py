@@ -63,18 +63,15 @@ def test_register_refuses_undeclared_or_invalid_defaults(monkeypatch):
                     "x4": replace(scaled, defaults={"k": 20.0}, grid={}), "x5": scaled}
     for name, declaration in declarations.items():
         monkeypatch.setitem(STRATEGIES, name, declaration)
-    with pytest.raises(ValueError, match="hyperparameter colour is not declared"):
-        register(StreamingMerge(name="x1", stream_fn=stream))
-    with pytest.raises(ValueError, match="default k=0 is not a percentage"):
-        register(StreamingMerge(name="x2", stream_fn=stream))
-    with pytest.raises(ValueError, match="grid of lam"):
-        register(StreamingMerge(name="x3", stream_fn=stream))
-    with pytest.raises(ValueError, match="a ScaledMerge takes lam"):
-        register(ScaledMerge(name="x4", scaled_fn=stream))
-    with pytest.raises(ValueError, match="x5 is declared a scaled strategy, so it must be a ScaledMerge, not a StreamingMerge"):
-        register(StreamingMerge(name="x5", stream_fn=stream))
-    with pytest.raises(ValueError, match="STRATEGIES must list it"):
-        register(StreamingMerge(name="unlisted", stream_fn=stream))
+    refused = [(StreamingMerge(name="x1", stream_fn=stream), "hyperparameter colour is not declared"),
+               (StreamingMerge(name="x2", stream_fn=stream), "default k=0 is not a percentage"),
+               (StreamingMerge(name="x3", stream_fn=stream), "grid of lam"),
+               (ScaledMerge(name="x4", scaled_fn=stream), "a ScaledMerge takes lam"),
+               (StreamingMerge(name="x5", stream_fn=stream), "x5 is declared a scaled strategy, so it must be a ScaledMerge, not a StreamingMerge"),
+               (StreamingMerge(name="unlisted", stream_fn=stream), "STRATEGIES must list it")]
+    for method, message in refused:
+        with pytest.raises(ValueError, match=message):
+            register(method)
     assert not {"x1", "x2", "x3", "x4", "x5", "unlisted"} & set(MERGE_METHODS)
 
 

@@ -18,13 +18,9 @@ from mima.core.errors import MimaError
 from mima.core.safetensors_io import load_state_dict
 from mima.merging import get_method
 from mima.merging.iso_cts import subspace_sizes
-from tests.helpers import (CONV_KERNEL, MATRICES_AND_OTHERS, MLP_BIAS, MLP_MATRIX, WIDE_MATRIX, assert_streamed_merge_matches,
-                           merge_files, perturbed_models, save_models, task_vectors)
-
-
-def _matrix_models(count: int, seed: int = 0, shapes=MATRICES_AND_OTHERS):
-    """theta_0 (with an integer tensor) and `count` perturbed copies: two matrices, a bias, a kernel."""
-    return perturbed_models(count, seed, shapes)
+from tests.helpers import (CONV_KERNEL, MLP_BIAS, MLP_MATRIX, WIDE_MATRIX, assert_merge_flags_refused,
+                           assert_streamed_merge_matches, matrix_models, merged_from_files, perturbed_models, save_models,
+                           task_vectors)
 
 
 # --------------------------------------------------------------------------------------------- TSV
@@ -91,7 +87,7 @@ def _numpy_iso_c(taus: list[np.ndarray]) -> np.ndarray:
 
 
 def test_iso_c_matches_the_reference_steps_and_keeps_integers():
-    base, models = _matrix_models(3, seed=1)
+    base, models = matrix_models(3, seed=1)
     merged = get_method("iso_c")(models, base, lam=0.8)
     for key in (MLP_MATRIX, WIDE_MATRIX):
         expected = base[key].numpy() + 0.8 * _numpy_iso_c(task_vectors(base, models, key))
@@ -143,7 +139,7 @@ def _numpy_iso_cts(taus: list[np.ndarray], fraction: float) -> np.ndarray:
 
 @pytest.mark.parametrize("fraction", [0.8, 0.5, 0.3])
 def test_iso_cts_matches_the_reference_steps(fraction):
-    base, models = _matrix_models(3, seed=2)
+    base, models = matrix_models(3, seed=2)
     merged = get_method("iso_cts")(models, base, lam=1.3, common_space_fraction=fraction)
     for key in (MLP_MATRIX, WIDE_MATRIX):
         expected = base[key].numpy() + 1.3 * _numpy_iso_cts(task_vectors(base, models, key), fraction)
@@ -154,7 +150,7 @@ def test_iso_cts_matches_the_reference_steps(fraction):
 
 
 def test_iso_cts_with_no_task_directions_is_iso_c():
-    base, models = _matrix_models(3, seed=3)
+    base, models = matrix_models(3, seed=3)
     cts = get_method("iso_cts")(models, base, lam=1.0, common_space_fraction=1.0)
     iso = get_method("iso_c")(models, base, lam=1.0)
     for key in (MLP_MATRIX, WIDE_MATRIX, MLP_BIAS):
@@ -163,7 +159,7 @@ def test_iso_cts_with_no_task_directions_is_iso_c():
 
 def test_iso_cts_with_more_tasks_than_the_rank_allows_still_merges():
     # rank 5, T = 8, fraction 0: the reference's round(5 / 8) = 1 direction per task needs 8 > 5.
-    base, models = _matrix_models(8, seed=4, shapes=((WIDE_MATRIX, (5, 9)),))
+    base, models = matrix_models(8, seed=4, shapes=((WIDE_MATRIX, (5, 9)),))
     merged = get_method("iso_cts")(models, base, lam=1.0, common_space_fraction=0.0)
     expected = base[WIDE_MATRIX].numpy() + _numpy_iso_c(task_vectors(base, models, WIDE_MATRIX))  # 0 per task: all common, as Iso-C
     np.testing.assert_allclose(merged[WIDE_MATRIX].numpy(), expected, rtol=1e-4, atol=1e-4)
@@ -203,7 +199,7 @@ def _wudi_loss(x: np.ndarray, taus: list[np.ndarray]) -> float:
 
 @pytest.mark.parametrize("steps, lr", [(300, 1e-5), (40, 1e-2)])
 def test_wudi_matches_the_reference_optimisation(steps, lr):
-    base, models = _matrix_models(3, seed=5)
+    base, models = matrix_models(3, seed=5)
     merged = get_method("wudi")(models, base, steps=steps, lr=lr)
     for key in (MLP_MATRIX, WIDE_MATRIX):
         taus = [m[key] - base[key] for m in models]
@@ -220,7 +216,7 @@ def test_wudi_matches_the_reference_optimisation(steps, lr):
 
 
 def test_wudi_skips_a_task_that_did_not_change_a_matrix():
-    base, models = _matrix_models(2, seed=6)
+    base, models = matrix_models(2, seed=6)
     unchanged = {k: v.clone() for k, v in base.items()}  # tau = 0: the reference would divide 0 by 0
     with_idle = get_method("wudi")([*models, unchanged], base, steps=20, lr=1e-3)
     without = get_method("wudi")(models, base, steps=20, lr=1e-3)
@@ -473,10 +469,7 @@ def test_non_finite_weights_are_refused_in_one_line(method):
     (["--method", "svc", "--lam", "0.3"], "--lam does not apply to merge method 'svc'"),
 ])
 def test_bad_flags_are_one_line(argv, fragment, tmp_path, capsys):
-    code = main(["merge", *argv, "--models", str(tmp_path / "a.safetensors"), "--output", str(tmp_path / "out.safetensors")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and fragment in err[0], err
-    assert not (tmp_path / "out.safetensors").exists()
+    assert_merge_flags_refused(tmp_path, capsys, argv, fragment)
 
 
 def test_iso_and_wudi_defaults_and_grids_follow_the_references():
@@ -505,12 +498,7 @@ def test_streamed_file_merge_matches_the_formula(tmp_path, name):
     ("wudi", ["--steps", "5", "--lr", "0.01"], {"steps": 5, "lr": 0.01}),
 ])
 def test_mima_merge_from_safetensors_files(method, flags, hparams, tmp_path, capsys):
-    base, models = _matrix_models(3, seed=12)
-    base_path, paths = save_models(tmp_path, base, models)
-    out = tmp_path / f"{method}.safetensors"
-    assert merge_files(method, base_path, paths, out, *flags) == 0
-    written = load_state_dict(out)
-    assert sorted(written) == sorted(base) and int(written["counter"]) == 7
+    base, models, written = merged_from_files(tmp_path, method, flags)
     for key, value in _reference_merge(method, hparams, base, models).items():
         np.testing.assert_allclose(written[key].double().numpy(), value, rtol=1e-4, atol=1e-4, err_msg=key)
     assert f"mima merge: {method}" in capsys.readouterr().out

@@ -87,6 +87,9 @@ def test_outer_nesterov_options_are_checked_in_one_line(args, fragment):
 
 
 @pytest.mark.parametrize("model, fragment", [
+    ({"sync_merge": "adamerging"}, "model.sync_merge: 'adamerging' learns from task data"),
+    ({"sync_merge": "nope"}, "model.sync_merge: unknown merge method 'nope'"),
+    ({"sync_merge": "task_arithmetic", "sync_merge_args": {"lamb": 0.3}}, "model.sync_merge_args:"),
     ({"sync_merge": "outer_nesterov", "sync_merge_args": {"outer_lr": 20}},
      "model.sync_merge_args.outer_lr: 20 is out of range; expected a finite number > 0 and <= 10"),
     ({"proximal_mu": -0.1}, "model.proximal_mu: -0.1 is out of range; expected a finite number in 0 .. 100"),
