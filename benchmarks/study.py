@@ -8,6 +8,14 @@ One command, resumable (docs/results.md, "The study (issue 38)"):
     python benchmarks/study.py --dry-run                          # list the runs, train nothing
     python benchmarks/study.py --grid reduced --only T12/equal/uniform   # a second process: one cell
     python benchmarks/study.py --grid reduced --tables            # the tables of the cells done so far
+    python benchmarks/study.py --grid gap --out runs/study-gap --reuse runs/study   # issue 50: the joint gap
+
+The gap grid (issue 50) asks how many syncs, and which operator at the sync, bring one merged model
+level with the joint model at T = 8 and 12: N from 8 to S = 200 for the uniform sync and for outer
+Nesterov (its outer lr and momentum chosen first on the validation splits, OuterChoice), ATM at two N,
+four final merges each. Runs that an earlier study (--reuse) trained with the same settings are
+copied from it instead of trained again (their cost.json says `reused_from`). Its report is
+OUT/gap.md, gap.json and joint_gap_vs_syncs.png (benchmarks/study_gap.py).
 
 The grid is a list of cells (T, budget mode, phase-end operator); each cell is one sweep
 (mima.commands.sweep.run_sweep over N and the seeds) in OUT/T<T>/<budget>/<operator>/, whose runs
@@ -46,6 +54,7 @@ import dataclasses
 import json
 import math
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -58,6 +67,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from offline_suite import suite_config  # noqa: E402
 from study_claims import Claim, Side, claims_markdown, evaluate_claim, mean_std  # noqa: E402
+from study_gap import write_gap_report  # noqa: E402
 
 from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
@@ -103,6 +113,25 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class OuterChoice:
+    """Outer Nesterov's outer lr and momentum, chosen once on the validation splits and then fixed for
+    every outer_nesterov cell of the grid: each candidate is fitted at one T, N and seed, and the
+    candidate whose uniform merge scores best on the validation splits is taken (the first on ties,
+    mima.merging.selection.BestPoint, as every selection of mima)."""
+
+    tasks: int
+    iterations: int
+    seed: int
+    candidates: tuple[tuple[float, float], ...]  # (outer_lr, outer_momentum)
+
+    def folder(self, out: Path) -> Path:
+        return out / f"T{self.tasks}" / "equal" / "outer_nesterov-choice"
+
+    def run_path(self, out: Path, lr: float, momentum: float) -> Path:
+        return self.folder(out) / "runs" / f"lr{lr:g}-momentum{momentum:g}"
+
+
+@dataclass(frozen=True)
 class Grid:
     name: str
     seeds: tuple[int, ...]
@@ -111,6 +140,8 @@ class Grid:
     notes: tuple[str, ...] = field(default=())
     family: tuple[str, ...] | None = None  # the tasks T counts from; None: the offline family (FAMILY)
     select_on_val: bool = True  # merges' hyperparameters chosen on the validation split
+    outer_choice: OuterChoice | None = None  # outer Nesterov's lr and momentum chosen on validation first
+    joint_gap: bool = False  # also the joint-gap report (OUT/gap.md, benchmarks/study_gap.py)
 
 
 ALL_MERGES = ("uniform", "task_arithmetic", "ties", "tsv", "adamerging")
@@ -153,7 +184,32 @@ def reduced_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
                 notes=("N = 2 and 4 left out; proportional budgets for MIMA only; fewer final merges beside MIMA at T = 4",))
 
 
-GRIDS = {"full": full_grid, "reduced": reduced_grid}
+# Issue 50's N: S = 200 must be a multiple of N (every phase K = S / N whole steps), so the doubling
+# 8, 16, 32, 64 the issue names becomes the divisors 8, 20, 40, 100 (about as evenly spaced on a log
+# scale), then N = S (an average after every step of each task).
+GAP_ITERATIONS = (8, 20, 40, 100, 200)
+GAP_ATM_ITERATIONS = (8, 40)
+GAP_MERGES = ("uniform", "task_arithmetic", "ties", "tsv")
+# DiLoCo's (0.7, 0.9) and its neighbours; chosen at T = 8, N = 40 (the middle of the N), seed 0
+OUTER_CANDIDATES = ((0.5, 0.5), (0.5, 0.9), (0.7, 0.5), (0.7, 0.9), (1.0, 0.5), (1.0, 0.9))
+
+
+def gap_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
+    """Issue 50: at T = 8, then 12, equal budgets S = 200: the uniform sync (MIMA) with the joint model,
+    outer Nesterov at the same N, ATM at N = 8 and 40; each run merged by uniform, task arithmetic,
+    TIES and TSV. 78 fits and the 6 of the outer choice; the earlier study's N = 8 and joint runs reused."""
+    cells = []
+    for tasks in (8, 12):
+        cells += [Cell(tasks, "equal", "uniform", GAP_ITERATIONS, GAP_MERGES, joint=True),
+                  Cell(tasks, "equal", "outer_nesterov", GAP_ITERATIONS, GAP_MERGES, joint=False),
+                  Cell(tasks, "equal", "atm", GAP_ATM_ITERATIONS, GAP_MERGES, joint=False)]
+    choice = OuterChoice(8, 40, seeds[0], OUTER_CANDIDATES)
+    return Grid("gap", tuple(seeds), tuple(cells), outer_choice=choice, joint_gap=True,
+                notes=("N = 16, 32, 64 do not divide S = 200: N in 8 20 40 100 200",))
+
+
+GRIDS = {"full": full_grid, "reduced": reduced_grid, "gap": gap_grid}
+DEFAULT_OUT = {"full": Path("runs/study"), "reduced": Path("runs/study"), "gap": Path("runs/study-gap")}
 
 
 # ------------------------------------------------------------------------------ budgets
@@ -179,8 +235,10 @@ def proportional_budgets(steps: int, sizes: Mapping[str, int], multiple: int) ->
     return {task: max(multiple, multiple * round(total * size / images / multiple)) for task, size in sizes.items()}
 
 
-def cell_config(base: Mapping, cell: Cell, steps: int | None, family: Sequence[str] | None = None) -> dict:
-    """The `mima fit` config of a cell: the family's first T tasks, its operator, its budgets."""
+def cell_config(base: Mapping, cell: Cell, steps: int | None, family: Sequence[str] | None = None,
+                operator_args: Mapping | None = None) -> dict:
+    """The `mima fit` config of a cell: the family's first T tasks, its operator, its budgets;
+    `operator_args` replace the operator's own sync_merge_args (outer Nesterov's chosen ones)."""
     from mima.data.offline import family_tasks
 
     config = copy.deepcopy(dict(base))
@@ -193,6 +251,8 @@ def cell_config(base: Mapping, cell: Cell, steps: int | None, family: Sequence[s
     config["data"] = {**config["data"], "tasks": tasks}
     s = int(steps if steps is not None else config["model"]["steps"])
     model = {**config["model"], "sync_merge_args": None, "proximal_mu": 0.0, **OPERATORS[cell.operator], "steps": s}
+    if operator_args is not None:
+        model["sync_merge_args"] = dict(operator_args)
     if cell.budget == "proportional":
         model["steps"] = proportional_budgets(s, training_set_sizes(config["data"]["tasks"]), math.lcm(*cell.iterations))
     elif cell.budget != "equal":
@@ -221,16 +281,55 @@ def fit_run_config(config: Mapping, model_settings: Mapping, seed: int | None, r
     return run_config
 
 
-def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
-    """`mima plan`'s bytes sent and received per process over the run's syncs at `world_size`."""
+def planned_syncs(run_config: Mapping, world_size: int) -> tuple[int, int]:
+    """`mima plan`'s syncs of the run and its bytes sent and received per process over them at `world_size`."""
     from mima.training.plan_from_config import plan_for_config
 
     plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
     plan, _, _ = plan_for_config(load_run_config(plain), world_size=world_size)
-    return plan.sync_bytes_per_process * plan.syncs
+    return plan.syncs, plan.sync_bytes_per_process * plan.syncs
 
 
-def fit_measured(run_config: dict, tasks: int, joint: bool) -> dict:
+def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
+    """`mima plan`'s bytes sent and received per process over the run's syncs at `world_size`."""
+    return planned_syncs(run_config, world_size)[1]
+
+
+def same_training(earlier: Path, run_config: Mapping) -> bool:
+    """The earlier run folder's config trains what `run_config` would: the same model and data
+    settings and seed (the trainer's display options and the folder may differ)."""
+    try:
+        saved = load_run_config(earlier)
+    except MimaError:
+        return False
+    plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
+    wanted = load_run_config(plain)
+    return (saved.model_args(), saved.data_args(), saved.seed) == (wanted.model_args(), wanted.data_args(), wanted.seed)
+
+
+def reuse_earlier_run(earlier: Path | None, out: Path, run_path: Path, run_config: Mapping) -> bool:
+    """Copy the finished run of an earlier study at the same place under `earlier` (e.g. runs/study's
+    T8/equal/uniform/runs/N8-seed0) into `run_path`, when it trained exactly what this one would; its
+    cost.json then records where it came from. False (nothing done) otherwise: the run is trained here."""
+    if earlier is None or run_path.exists():
+        return False
+    source = Path(earlier) / run_path.relative_to(out)
+    if not (source / COST_FILE).is_file():
+        return False
+    if not same_training(source, run_config):
+        print(f"study: not reusing {source}: it was trained with other settings than {run_path} needs")
+        return False
+    staging = run_path.with_name(f".{run_path.name}.copying")  # a copy cut short is never taken for a run
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, symlinks=True)
+    cost = read_json(staging / COST_FILE)
+    (staging / COST_FILE).write_text(json.dumps({**cost, "reused_from": str(source)}, indent=2) + "\n")
+    staging.rename(run_path)
+    print(f"study: reusing {source} (trained by an earlier study with the same settings)")
+    return True
+
+
+def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> dict:
     """Fit one run and return its cost record (the module docstring says what each value is)."""
     resumed = Path(run_config["out"], "config.yaml").is_file()
     if resumed:
@@ -245,8 +344,9 @@ def fit_measured(run_config: dict, tasks: int, joint: bool) -> dict:
         print(f"study: {run_config['out']} stopped (state saved); run the same command to go on")
         raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
     cpu += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+    syncs, _ = planned_syncs(run_config, 1)
     return {
-        "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "resumed": resumed,
+        "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "resumed": resumed, "grid": grid, "plan_syncs": syncs,
         "sync_bytes": 0,  # W = 1: the average is taken in memory, nothing is sent
         "plan_sync_bytes": planned_sync_bytes(run_config, 1),
         "plan_sync_bytes_federated": None if joint else planned_sync_bytes(run_config, tasks),
@@ -254,24 +354,36 @@ def fit_measured(run_config: dict, tasks: int, joint: bool) -> dict:
     }
 
 
-def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, dry_run: bool) -> list:
-    """Fit the cell's unfinished runs (measured), then its sweep (evaluation only); its results."""
-    config = cell_config(base, cell, grid.steps, grid.family)
+def fit_or_reuse(run_config: dict, tasks: int, joint: bool, label: str, grid: Grid, out: Path,
+                 earlier: Path | None, what: str) -> None:
+    """One run of the study (`what` says which, for the log), measured into its cost.json; copied
+    instead from an earlier study (`earlier`) that trained the same run."""
+    run_path = Path(run_config["out"])
+    if reuse_earlier_run(earlier, out, run_path, run_config):
+        return
+    print(f"study: {what}: fitting {label}")
+    cost = fit_measured(run_config, tasks, joint, grid.name)
+    (run_path / COST_FILE).write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
+
+
+def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, dry_run: bool,
+             operator_args: Mapping | None = None, earlier: Path | None = None) -> list:
+    """Fit the cell's unfinished runs (measured, or reused from `earlier`), then its sweep (evaluation
+    only); its results."""
+    config = cell_config(base, cell, grid.steps, grid.family, operator_args)
     folder = cell.folder(out)
     sweep = SweepFolder(folder)
     iterations = cell_iterations(cell)
     settings = run_settings(sweep, iterations, list(grid.seeds), cell.joint)
     for model_settings, seed, run_folder, label in settings:
-        cost_file = run_folder.path / COST_FILE
-        if cost_file.is_file():
+        if (run_folder.path / COST_FILE).is_file():
             continue
         if dry_run:
             print(f"would fit {run_folder.path} ({label})")
             continue
-        print(f"study: T={cell.tasks} {cell.budget} {cell.operator}: fitting {label}")
         run_config = fit_run_config(config, model_settings, seed, run_folder.path, progress)
-        cost = fit_measured(run_config, cell.tasks, joint="mode" in model_settings)
-        cost_file.write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
+        fit_or_reuse(run_config, cell.tasks, "mode" in model_settings, label, grid, out, earlier,
+                     f"T={cell.tasks} {cell.budget} {cell.operator}")
     if dry_run:
         for seed in (grid.seeds[1:] if cell.joint else ()):
             if not (folder / "runs" / f"{JOINT}-seed{seed}" / COST_FILE).is_file():
@@ -295,11 +407,11 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
         # the sweep's table repeats its one joint model (the first seed's) in every seed's rows: those
         # rows give way to the joint model trained at that seed
         results = [r for r in results if not (r.model == JOINT and r.seed != grid.seeds[0])]
-        results += later_seed_joints(config, cell, grid, folder, progress)
+        results += later_seed_joints(config, cell, grid, out, progress, earlier)
     return results
 
 
-def later_seed_joints(config: Mapping, cell: Cell, grid: Grid, folder: Path, progress: bool) -> list:
+def later_seed_joints(config: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, earlier: Path | None) -> list:
     """The joint model at the grid's other seeds (the sweep trains it at the first seed only), each
     fitted into FOLDER/runs/joint-seed<s> (measured, like every run) and evaluated beside that seed's
     N = 1 run in FOLDER/joint-seed<s>/ (`mima evaluate`: per-image records, intervals); its row is
@@ -307,15 +419,15 @@ def later_seed_joints(config: Mapping, cell: Cell, grid: Grid, folder: Path, pro
     from mima.services.evaluate.runs import evaluate_runs
     from mima.core.run_folder import RunFolder
 
+    folder = cell.folder(out)
     sweep = SweepFolder(folder)
     rows = []
     for seed in grid.seeds[1:]:
         run_path = sweep.path / "runs" / f"{JOINT}-seed{seed}"
         if not (run_path / COST_FILE).is_file():
-            print(f"study: T={cell.tasks} {cell.budget} {cell.operator}: fitting {JOINT}, seed {seed}")
             run_config = fit_run_config(config, {"mode": JOINT, "iterations": 1}, seed, run_path, progress)
-            cost = fit_measured(run_config, cell.tasks, joint=True)
-            (run_path / COST_FILE).write_text(json.dumps({"label": f"{JOINT}, seed {seed}", **cost}, indent=2) + "\n")
+            fit_or_reuse(run_config, cell.tasks, True, f"{JOINT}, seed {seed}", grid, out, earlier,
+                         f"T={cell.tasks} {cell.budget} {cell.operator}")
         partner = sweep.run(min(cell.iterations), seed).path
         evaluated = evaluate_runs([partner, RunFolder(run_path).path], folder / f"{JOINT}-seed{seed}", [],
                                   select_on_val=grid.select_on_val, title=f"study T={cell.tasks} {JOINT}, seed {seed}")
@@ -343,6 +455,66 @@ def data_merge_result(folder: Path, run_folder, seed: int | None, method: str):
     return ModelResult(iterations, method, {task: float(value) for task, value in accuracy.items()}, seed=seed)
 
 
+# ------------------------------------------------------------------------------ outer Nesterov's choice
+CHOICE_FILE = "choice.json"  # in the OuterChoice folder: every candidate's score and the chosen one
+SCORE_FILE = "validation_score.json"  # in a candidate's run folder: its uniform merge on the validation splits
+
+
+def validation_score(run_path: Path) -> float:
+    """Mean validation accuracy over the run's tasks of the uniform merge of its task models (the same
+    merge and validation splits `mima merge --models RUN --method uniform` and --select-on use); kept in
+    the run folder so that a resumed choice does not evaluate it again."""
+    from mima.api import merge
+    from mima.core.run_folder import RunFolder
+    from mima.pools import task_pool
+
+    score_file = run_path / SCORE_FILE
+    if score_file.is_file():
+        return float(read_json(score_file)["uniform_validation_accuracy"])
+    score = task_pool(RunFolder(run_path)).evaluator("val").mean_accuracy(merge(run_path, "uniform"))
+    score_file.write_text(json.dumps({"uniform_validation_accuracy": score}, indent=2) + "\n")
+    return score
+
+
+def choose_outer(base: Mapping, grid: Grid, out: Path, progress: bool, dry_run: bool,
+                 earlier: Path | None = None) -> dict | None:
+    """Outer Nesterov's {outer_lr, outer_momentum} for the grid's outer_nesterov cells (grid.outer_choice):
+    every candidate fitted (measured, resumable) and scored on validation, the best one kept in
+    OUT/.../choice.json. None on a dry run that still has candidates to fit."""
+    from mima.merging.selection import BestPoint
+
+    choice = grid.outer_choice
+    chosen_file = choice.folder(out) / CHOICE_FILE
+    if chosen_file.is_file():
+        return dict(read_json(chosen_file)["chosen"])
+    cell = Cell(choice.tasks, "equal", "outer_nesterov", (choice.iterations,), (), joint=False)
+    best: BestPoint[tuple[float, float]] = BestPoint()
+    rows = []
+    for lr, momentum in choice.candidates:
+        args = {"outer_lr": lr, "outer_momentum": momentum}
+        run_path = choice.run_path(out, lr, momentum)
+        label = f"outer lr {lr:g}, momentum {momentum:g}"
+        if not (run_path / COST_FILE).is_file():
+            if dry_run:
+                print(f"would fit {run_path} ({label})")
+                continue
+            config = cell_config(base, cell, grid.steps, grid.family, args)
+            run_config = fit_run_config(config, {"iterations": choice.iterations}, choice.seed, run_path, progress)
+            fit_or_reuse(run_config, choice.tasks, False, label, grid, out, earlier,
+                         f"T={choice.tasks} outer Nesterov's choice at N={choice.iterations}")
+        score = validation_score(run_path)
+        best.offer(score, (lr, momentum))
+        rows.append({**args, "uniform_validation_accuracy": score, "cpu_s": read_json(run_path / COST_FILE)["cpu_s"]})
+    if dry_run and len(rows) < len(choice.candidates):
+        return None
+    lr, momentum = best.point
+    record = {"tasks": choice.tasks, "N": choice.iterations, "seed": choice.seed, "candidates": rows,
+              "chosen": {"outer_lr": lr, "outer_momentum": momentum}}
+    chosen_file.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"study: outer Nesterov: outer lr {lr:g}, momentum {momentum:g} chosen on validation ({chosen_file})")
+    return dict(record["chosen"])
+
+
 # ------------------------------------------------------------------------------ the tables
 def summary_rows(cell: Cell, results: Sequence) -> list[dict]:
     """Per (N, model) of a cell: mean and sample std over the seeds of the mean test accuracy, and
@@ -352,6 +524,9 @@ def summary_rows(cell: Cell, results: Sequence) -> list[dict]:
         by_key.setdefault((result.N, result.model), []).append(result)
     rows = []
     for (n, model), group in sorted(by_key.items()):
+        measured = {r.measured_at for r in group}
+        if len(measured) == 1 and None not in measured:  # theta_0: evaluated once, repeated beside every seed
+            group = [r for r in group if r.seed == group[0].measured_at] or group[:1]
         means = [100 * r.mean for r in group]
         intervals = [[100 * v for v in r.intervals["mean"]] if "mean" in r.intervals else None for r in group]
         rows.append({"T": cell.tasks, "budget": cell.budget, "operator": cell.operator, "N": n, "model": model,
@@ -378,7 +553,7 @@ def _half_width(intervals: list) -> str:
 
 def write_tables(out: Path, rows: list[dict], costs: list[dict], grid: Grid) -> None:
     """OUT/study.md and .json (accuracies), OUT/costs.md (each run's cost beside the plan's)."""
-    lines = [f"# The study (issue 38), grid {grid.name}, seeds {list(grid.seeds)}", "",
+    lines = [f"# The study, grid {grid.name}, seeds {list(grid.seeds)}", "",
              "Mean test accuracy (%) over the tasks, mean +- sample std over the seeds; 'ci95 +-': the mean "
              "half-width of the seeds' 95 % intervals (bootstrap over the test images, `mima evaluate`).", "",
              "| T | budget | operator | N | model | accuracy | ci95 +- | seeds |",
@@ -478,7 +653,7 @@ def gain_markdown(rows: Sequence[dict], claims: Sequence[dict]) -> str:
     lines = ["## MIMA's gain and the joint gap by T", "",
              "Mean test accuracy (%) over the tasks, mean ± std over the seeds; the differences in points "
              "with the Student t 95 % interval over the seeds (the per-seed intervals are in the table above).", "",
-             "| T | N | uniform merge at N=1 | at the largest N | gain | joint | joint gap (joint - largest N's uniform) |",
+             "| T | N | uniform merge at the smallest N | at the largest N | gain | joint | joint gap (joint - largest N's uniform) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     mima = [r for r in rows if (r["operator"], r["budget"], r["model"]) == ("uniform", "equal", "uniform")]
     for tasks in sorted({r["T"] for r in mima}):
@@ -502,27 +677,49 @@ def cell_is_done(cell: Cell, grid: Grid, out: Path) -> bool:
         (path / COST_FILE).is_file() for path in [run.path for _, _, run, _ in settings] + joints)
 
 
+def takes_outer_choice(cell: Cell, grid: Grid) -> bool:
+    return cell.operator == "outer_nesterov" and grid.outer_choice is not None
+
+
+def write_reports(out: Path, grid: Grid, rows: list[dict]) -> None:
+    write_tables(out, rows, cost_rows(out), grid)
+    write_claims(out, grid, rows)
+    if grid.joint_gap:
+        write_gap_report(out, grid, rows, cost_rows(out), cell_iterations, DATA_MERGES)
+
+
 def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_run: bool = False,
-              only: Sequence[str] = (), tables: bool = False) -> list[dict]:
+              only: Sequence[str] = (), tables: bool = False, earlier: Path | None = None) -> list[dict]:
     """Every cell of `grid` in order (resumable run by run), then the tables; the summary rows.
     `only`: the folders (e.g. "T12/equal/uniform") of the cells to run, the others left alone, and no
     tables written (a second process can so take a cell while the first runs the others). `tables`:
-    fit nothing; the tables from the cells that are done (`cell_is_done`), the others left out."""
+    fit nothing; the tables from the cells that are done (`cell_is_done`), the others left out.
+    `earlier`: an earlier study's output folder whose runs this one reuses where they match."""
     known = {str(cell.folder(Path())) for cell in grid.cells}
     if set(only) - known:
         raise MimaError(f"--only {' '.join(sorted(set(only) - known))}: not a cell of grid {grid.name} "
                         f"(its cells: {', '.join(sorted(known))})")
+    if earlier is not None and Path(earlier).resolve() == Path(out).resolve():
+        raise MimaError(f"--reuse {earlier}: that is --out itself; name the earlier study's folder")
     rows = []
+    chosen: Mapping | None = None  # outer Nesterov's chosen sync_merge_args, made before its first cell
     for cell in grid.cells:
         if (only and str(cell.folder(Path())) not in only) or (tables and not cell_is_done(cell, grid, out)):
             continue
-        rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run))
+        if takes_outer_choice(cell, grid) and chosen is None:
+            chosen_file = grid.outer_choice.folder(out) / CHOICE_FILE
+            if tables:  # fit nothing: a cell done has its choice on disk
+                chosen = dict(read_json(chosen_file)["chosen"])
+            else:
+                chosen = choose_outer(base, grid, out, progress, dry_run, earlier)
+            if chosen is None:  # a dry run before the choice: the cell's runs listed with DiLoCo's values
+                chosen = {}
+        operator_args = (chosen or None) if takes_outer_choice(cell, grid) else None
+        rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run, operator_args, earlier))
         if not dry_run and not only and not tables:  # after every cell: a study stopped part way shows what it has
-            write_tables(out, rows, cost_rows(out), grid)
-            write_claims(out, grid, rows)
+            write_reports(out, grid, rows)
     if tables:
-        write_tables(out, rows, cost_rows(out), grid)
-        write_claims(out, grid, rows)
+        write_reports(out, grid, rows)
     return rows
 
 
@@ -531,7 +728,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, nargs="+", default=[ROOT / "configs" / "offline.yaml"],
                         help="the base `mima fit` config (several: later files override earlier ones); "
                         "the study sets the task list, operator and budgets")
-    parser.add_argument("--out", type=Path, default=Path("runs/study"), help="output folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: runs/study; runs/study-gap for --grid gap)")
+    parser.add_argument("--reuse", type=Path, default=None, metavar="EARLIER_OUT",
+                        help="an earlier study's output folder: its finished runs that match one of this grid's "
+                        "(same cell and run name, same settings) are copied, not trained again "
+                        "(default for --grid gap: runs/study, if it exists)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="full", help="which grid (docs/results.md)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (at least 3 for the study)")
     parser.add_argument("--steps", type=int, default=None, help="S per task (default: the config's)")
@@ -546,8 +748,15 @@ def main(argv: list[str] | None = None) -> int:
     grid = GRIDS[options.grid](options.seeds)
     if options.steps is not None:
         grid = dataclasses.replace(grid, steps=options.steps)
+    out = options.out if options.out is not None else DEFAULT_OUT[options.grid]
+    earlier = options.reuse
+    if earlier is None and options.grid == "gap" and DEFAULT_OUT["reduced"].is_dir():
+        earlier = DEFAULT_OUT["reduced"]
     try:
-        run_study(suite_config(options.config), grid, options.out, options.progress, options.dry_run, options.only, options.tables)
+        if earlier is not None and not Path(earlier).is_dir():
+            raise MimaError(f"--reuse {earlier}: no such folder (an earlier study's --out)")
+        run_study(suite_config(options.config), grid, out, options.progress, options.dry_run, options.only,
+                  options.tables, earlier)
     except MimaError as exc:
         print(f"study: error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ both against the fine-tuned models of the same run (same N and seed).
 
 Where several runs share an N (runs that differ only in the seed), each (N, model, task) also gets
 an aggregate: the mean over seeds and the sample standard deviation (n - 1 in the denominator, as
-`statistics.stdev`). Relative accuracy and gap of an aggregate are the mean over seeds of each
+`statistics.stdev`). A model measured once and repeated beside every seed's run (theta_0, evaluated
+with the first run; a joint model trained at one seed: `ModelResult.measured_at`) is one measurement:
+its aggregate is that value, with no standard deviation and only the seed it was measured at. Relative accuracy and gap of an aggregate are the mean over seeds of each
 seed's own value; the "mean" task's aggregate is the mean over seeds of each seed's task average
 (which equals the task average of the per-task means), and its standard deviation is that of the
 per-seed task averages.
@@ -67,6 +69,9 @@ class ModelResult:
     counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # per task (correct, total)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per task and "mean": 95 % interval
     comparisons: list[Comparison] = field(default_factory=list)
+    # set where this row repeats one model measured once, with the run of seed `measured_at` (theta_0;
+    # a joint model trained at one seed), beside every seed's run: over the seeds it is one value
+    measured_at: int | None = None
 
     @property
     def mean(self) -> float:
@@ -100,11 +105,12 @@ class SeedSummary:
     def tasks(self) -> list[str]:
         return list(self.runs[0].accuracy)
 
-    def accuracy(self, task: str) -> tuple[float, float]:
-        """Mean and sample standard deviation over seeds of the accuracy on `task` ("mean": the task average)."""
+    def accuracy(self, task: str) -> tuple[float, float | None]:
+        """Mean and sample standard deviation over seeds of the accuracy on `task` ("mean": the task
+        average); one measurement (a model repeated beside every seed): its value and None."""
         return _mean_std([run.mean if task == "mean" else run.accuracy[task] for run in self.runs])
 
-    def relative(self, task: str) -> tuple[float, float] | None:
+    def relative(self, task: str) -> tuple[float, float | None] | None:
         if any(reference is None for reference in self.fine_tuned):
             return None
         values = []
@@ -115,7 +121,7 @@ class SeedSummary:
                 values.append(run.accuracy[task] / reference.accuracy[task])
         return _mean_std(values) if len(values) == len(self.runs) else None
 
-    def gap(self, task: str) -> tuple[float, float] | None:
+    def gap(self, task: str) -> tuple[float, float | None] | None:
         if any(reference is None for reference in self.fine_tuned):
             return None
         return _mean_std([
@@ -128,8 +134,8 @@ class SeedSummary:
         return None if self.model != FINE_TUNED or None in values else _mean_std(values)
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    return fmean(values), stdev(values)
+def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    return fmean(values), stdev(values) if len(values) > 1 else None
 
 
 def _seed_order(seed: int | None) -> tuple[int, int | str]:
@@ -137,7 +143,8 @@ def _seed_order(seed: int | None) -> tuple[int, int | str]:
 
 
 def seed_summaries(results: Sequence[ModelResult]) -> list[SeedSummary]:
-    """The (N, model) pairs that have results for two or more seeds, in order of N, then of the models."""
+    """The (N, model) pairs that have results for two or more seeds, in order of N, then of the models
+    (a model measured once and repeated beside the seeds: its one run, `ModelResult.measured_at`)."""
     groups: dict[tuple[int, str], list[ModelResult]] = {}
     for result in results:
         groups.setdefault((result.N, result.model), []).append(result)
@@ -147,6 +154,9 @@ def seed_summaries(results: Sequence[ModelResult]) -> list[SeedSummary]:
         if len(group) < 2:
             continue
         runs = tuple(sorted(group, key=lambda run: _seed_order(run.seed)))
+        measured = {run.measured_at for run in runs}
+        if len(measured) == 1 and None not in measured:  # one model repeated beside every seed: one value
+            runs = tuple(run for run in runs if run.seed == runs[0].measured_at) or runs[:1]
         summaries.append(SeedSummary(n, model, runs, tuple(reference.get((n, run.seed)) for run in runs)))
     return summaries
 

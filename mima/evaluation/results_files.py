@@ -7,7 +7,10 @@ With one run per N the files are as they always were:
 With several seeds at some N:
     results.json  per-run rows {N, model, task, seed, accuracy, mean_cos_tau}, then the aggregate rows
                   {N, model, task, seed: "mean", seeds: [...], accuracy, accuracy_std, mean_cos_tau,
-                  mean_cos_tau_std} (mean_cos_tau: fine_tuned rows only, as in the per-run rows)
+                  mean_cos_tau_std} (mean_cos_tau: fine_tuned rows only, as in the per-run rows).
+                  A model measured once and repeated beside every seed's run (zero_shot; a joint
+                  model trained at one seed) has measured_at: that seed in its per-run rows, and
+                  its aggregate rows hold that one value: seeds [that seed], accuracy_std null
     results.csv   the columns seed (after task) and accuracy_std (after accuracy) are added; the
                   aggregate rows have seed "mean"
     results.md    summary cells "mean ± std" where an N has several seeds; per such N the mean ± std
@@ -57,6 +60,8 @@ def results_rows(results: Sequence[ModelResult]) -> list[dict]:
     for result in results:
         cos = result.mean_cos_tau if result.model == FINE_TUNED else None
         seed = {"seed": result.seed} if with_seed else {}
+        if with_seed and result.measured_at is not None:
+            seed["measured_at"] = result.measured_at  # one model repeated beside every seed's run
         for task, value in result.accuracy.items():
             rows.append({"N": result.N, "model": result.model, "task": task, **seed, "accuracy": value, "mean_cos_tau": cos,
                          **_task_statistics(result, task)})
@@ -145,7 +150,7 @@ def csv_text(results: Sequence[ModelResult]) -> str:
         for task in [*summary.tasks, "mean"]:
             mean, std = summary.accuracy(task)
             rel, gap = summary.relative(task), summary.gap(task)
-            row(summary.N, summary.model, task, MEAN_OVER_SEEDS, f"{mean:.4f}", f"{std:.4f}",
+            row(summary.N, summary.model, task, MEAN_OVER_SEEDS, f"{mean:.4f}", "" if std is None else f"{std:.4f}",
                 _fmt(rel[0]) if rel else "", _fmt(gap[0]) if gap else "", _fmt(cos[0]) if cos else "", "")
     return buffer.getvalue()
 
@@ -206,7 +211,7 @@ def read_results(folder: Path | SweepFolder) -> list[ModelResult]:
         if key not in results:
             entry = chosen.get(key, {})
             results[key] = ModelResult(key[0], key[2], {}, row.get("mean_cos_tau"), entry.get("hparams") or {},
-                                       entry.get("validation_accuracy"), seed=seed)
+                                       entry.get("validation_accuracy"), seed=seed, measured_at=row.get("measured_at"))
         if row["task"] != "mean":
             results[key].accuracy[row["task"]] = float(row["accuracy"])
         _read_statistics(results[key], row)

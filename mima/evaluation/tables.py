@@ -22,9 +22,11 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def _percent(stats: tuple[float, float] | None) -> str:
-    """'82.4 ± 1.3' (percent, one decimal) from a (mean, std) pair."""
-    return "" if stats is None else f"{100 * stats[0]:.1f} ± {100 * stats[1]:.1f}"
+def _percent(stats: tuple[float, float | None] | None) -> str:
+    """'82.4 ± 1.3' (percent, one decimal) from a (mean, std) pair; '82.4' for one measurement (no std)."""
+    if stats is None:
+        return ""
+    return f"{100 * stats[0]:.1f}" if stats[1] is None else f"{100 * stats[0]:.1f} ± {100 * stats[1]:.1f}"
 
 
 def summary_table(results: Sequence[ModelResult]) -> Table:
@@ -164,7 +166,8 @@ def markdown_text(
     lines = [f"# {title}", "", *_training_lines(training)]
     if seed_summaries(results):
         lines += ["Where an N has several runs that differ only in the seed, a cell is the mean ± the sample "
-                  "standard deviation over the seeds.", ""]
+                  "standard deviation over the seeds. A model measured once and repeated beside every seed's run "
+                  "(zero_shot; a joint model trained at one seed) is that one value, without ±, its seed alone named.", ""]
     lines += ["Average absolute test accuracy (%) over the tasks:", ""]
     lines += markdown_table(*summary_table(results))
     for n in sorted({r.N for r in results}):

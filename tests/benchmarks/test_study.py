@@ -5,28 +5,16 @@ cell with a cost record per run, the combined tables, and a second call trains n
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
 from mima.core.errors import MimaError
 from mima.core.run_folder import RunFolder
-from tests.helpers import fit_config
-
-ROOT = Path(__file__).resolve().parents[2]
-TASKS = ("rot90", "mirror")
-
-
-def _study():
-    spec = importlib.util.spec_from_file_location("study", ROOT / "benchmarks" / "study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import STUDY_TASKS as TASKS
+from tests.helpers import final_bytes, fit_config, load_study, tiny_study_base
 
 
 def _tiny_grid(study):
@@ -35,12 +23,8 @@ def _tiny_grid(study):
     return study.Grid("tiny", (0,), cells, steps=4, family=TASKS, select_on_val=False)
 
 
-def _final_bytes(run: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted((run / "final").glob("*.safetensors"))}
-
-
 def test_proportional_budgets_keep_the_total_and_divide_by_every_n():
-    study = _study()
+    study = load_study()
     budgets = study.proportional_budgets(200, {"a": 54000, "b": 54000, "c": 1131, "d": 54000}, multiple=8)
     assert budgets == {"a": 264, "b": 264, "c": 8, "d": 264}  # 800 x 54000 / 163131 = 264.8 -> 264; c: at least 8
     assert all(value % 8 == 0 for value in budgets.values())
@@ -48,7 +32,7 @@ def test_proportional_budgets_keep_the_total_and_divide_by_every_n():
 
 
 def test_cell_config_sets_the_operator_and_only_it():
-    study = _study()
+    study = load_study()
     base = fit_config(Path("unused"), "local-dir:x", list(TASKS), steps=4, iterations=1)
     atm = study.cell_config(base, study.Cell(1, "equal", "atm", (1, 2), ("uniform",), False), None, TASKS)
     assert atm["data"]["tasks"] == ["rot90"] and atm["model"]["sync_merge"] == "task_arithmetic"
@@ -63,10 +47,9 @@ def test_cell_config_sets_the_operator_and_only_it():
 
 
 def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_clip, capsys):
-    study = _study()
+    study = load_study()
     out = tmp_path / "study"
-    base = fit_config(out, small_clip, list(TASKS), steps=4, iterations=1)
-    base.pop("out")
+    base = tiny_study_base(small_clip)
     grid = _tiny_grid(study)
     with pytest.raises(MimaError, match="--only T3/equal/atm: not a cell of grid tiny"):
         study.run_study(base, grid, out, only=["T3/equal/atm"])
@@ -120,13 +103,13 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
     assert f"| 2 | equal | atm | 2 | uniform | {n2['accuracy']:.1f} |" in markdown
 
     # a second call trains nothing: same final weights and cost records, every run found finished
-    finals = {run: _final_bytes(run) for run in out.glob("T2/equal/*/runs/*")}
+    finals = {run: final_bytes(run) for run in out.glob("T2/equal/*/runs/*")}
     records = {path: path.read_bytes() for path in [*out.glob("T2/equal/*/runs/*/cost.json"), *out.glob("T2/equal/*/evaluation_cost.json")]}
     capsys.readouterr()
     again = study.run_study(base, grid, out)
     printed = capsys.readouterr().out
     assert "fitting" not in printed and printed.count("has finished") == 3
-    assert {run: _final_bytes(run) for run in finals} == finals
+    assert {run: final_bytes(run) for run in finals} == finals
     assert {path: path.read_bytes() for path in records} == records
     assert again == rows
     assert study.run_study(base, grid, out, tables=True) == rows
@@ -135,10 +118,9 @@ def test_tiny_study_writes_its_folders_and_tables_and_resumes(tmp_path, small_cl
 def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_clip, capsys):
     """The sweep trains the joint baseline at the first seed; the study adds it at the other seeds,
     each evaluated beside that seed's N = 1 run, so the joint row has a std over seeds too."""
-    study = _study()
+    study = load_study()
     out = tmp_path / "study"
-    base = fit_config(out, small_clip, list(TASKS), steps=4, iterations=1)
-    base.pop("out")
+    base = tiny_study_base(small_clip)
     cell = study.Cell(2, "equal", "uniform", (1,), ("uniform",), joint=True)
     grid = study.Grid("tiny-joint", (0, 1), (cell,), steps=4, family=TASKS, select_on_val=False)
     rows = study.run_study(base, grid, out)
@@ -151,6 +133,10 @@ def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_
     table0 = json.loads((folder / "results.json").read_text())
     table1 = json.loads((folder / "joint-seed1" / "results.json").read_text())
     mean0, = {r["accuracy"] for r in table0 if r["model"] == "joint" and r["task"] == "mean" and r.get("seed") in (0, None)}
+    # the sweep's own table (offline_suite.py --seeds --joint writes the same): its one joint model is one
+    # value, trained at seed 0, not a mean over seeds 0 and 1 with a spread of 0
+    joint_aggregate, = [r for r in table0 if (r["model"], r["task"], r.get("seed")) == ("joint", "mean", "mean")]
+    assert (joint_aggregate["seeds"], joint_aggregate["accuracy_std"], joint_aggregate["accuracy"]) == ([0], None, mean0)
     mean1, = [r["accuracy"] for r in table1 if r["model"] == "joint" and r["task"] == "mean"]
     assert joint["per_seed"] == [pytest.approx(100 * mean0, abs=1e-9), pytest.approx(100 * mean1, abs=1e-9)]
     capsys.readouterr()
@@ -193,7 +179,7 @@ def test_the_joint_model_is_trained_and_evaluated_at_every_seed(tmp_path, small_
 def test_the_t_quantiles_and_the_verdicts():
     from scipy import stats
 
-    _study()  # puts benchmarks/ on the path
+    load_study()  # puts benchmarks/ on the path
     claims = importlib.import_module("study_claims")
     assert claims.T975 == {df: pytest.approx(stats.t.ppf(0.975, df), abs=1e-12) for df in range(1, 11)}
     assert [claims.t975(df) for df in range(11, 60)] == [pytest.approx(stats.t.ppf(0.975, df), abs=1e-5) for df in range(11, 60)]

@@ -76,9 +76,15 @@ def test_two_seeds_two_runs_mean_and_std_over_them_and_resume_per_seed(tmp_path,
     assert {(row["model"], row["task"]) for row in aggregates} == {(m, t) for m, t, _ in per_seed}
     for row in aggregates:
         values = [per_seed[(row["model"], row["task"], seed)] for seed in (0, 1)]
+        if row["model"] == "zero_shot":  # theta_0, evaluated once with seed 0's run: one value, no spread
+            assert values[0] == values[1] and row["seeds"] == [0] and row["accuracy_std"] is None
+            assert row["accuracy"] == values[0]
+            continue
         assert row["seeds"] == [0, 1]
         assert row["accuracy"] == pytest.approx(statistics.fmean(values), abs=1e-12)
         assert row["accuracy_std"] == pytest.approx(statistics.stdev(values), abs=1e-12)
+    assert {row["measured_at"] for row in rows if row["seed"] != "mean" and row["model"] == "zero_shot"} == {0}
+    assert not any("measured_at" in row for row in rows if row["model"] != "zero_shot")
     # the mean over tasks of one seed is the mean of its tasks' accuracies
     for seed in (0, 1):
         assert per_seed[("uniform", "mean", seed)] == pytest.approx(

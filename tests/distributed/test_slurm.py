@@ -55,6 +55,17 @@ def slurm_two_nodes(tmp_path):
     yield from _cluster(tmp_path / "slurm", nodes=2)
 
 
+def _job_config(clip: str, steps: int, iterations: int, warmup_steps: int, batch_size: int) -> dict:
+    """A SLURM job's `mima fit` config: the small CLIP on TASKS, no accelerator or device count (the
+    job's allocation and SLURM's environment decide them)."""
+    return {
+        "seed_everything": 0,
+        "model": {"clip": clip, "steps": steps, "iterations": iterations, "lr": 1e-3, "warmup_steps": warmup_steps},
+        "data": {"suite": "digits", "tasks": TASKS, "batch_size": batch_size, "seed": 5},
+        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
+    }
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, small_clip):
     """The job's config and its uninterrupted run, outside SLURM, in one process (the SLURM jobs run two:
@@ -62,12 +73,7 @@ def job(tmp_path_factory, small_clip):
     require(missing_requirement())
     folder = tmp_path_factory.mktemp("slurm-job")
     config = folder / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "model": {"clip": small_clip, "steps": 800, "iterations": 4, "lr": 1e-3, "warmup_steps": 10},
-        "data": {"suite": "digits", "tasks": TASKS, "batch_size": 32, "seed": 5},
-        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
-    }))
+    config.write_text(yaml.safe_dump(_job_config(small_clip, steps=800, iterations=4, warmup_steps=10, batch_size=32)))
     reference = folder / "reference"
     result = run_job(config, reference, "--trainer.accelerator", "cpu", "--threads_per_process", "1")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -227,12 +233,7 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
     then the evaluation job (afterany on the array): the combined table, whose rows over seeds are
     checked by hand; submitted again, it finds every cell done and writes the same table."""
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "model": {"clip": small_clip, "steps": 40, "iterations": 1, "lr": 1e-3, "warmup_steps": 4},
-        "data": {"suite": "digits", "tasks": TASKS, "batch_size": 16, "seed": 5},
-        "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "logger": False},
-    }))
+    config.write_text(yaml.safe_dump(_job_config(small_clip, steps=40, iterations=1, warmup_steps=4, batch_size=16)))
     runs, work = tmp_path / "runs", tmp_path / "work"
     work.mkdir()
     environment = {
@@ -270,11 +271,14 @@ def test_sweep_fits_an_array_then_a_dependent_job_evaluates(slurm, tmp_path, sma
     assert set(aggregate) == {(n, model, task) for n in SWEEP_N for model in SWEEP_MODELS for task in (*TASKS, "mean")}
     for (n, model, task), row in aggregate.items():
         a, b = per_run[(n, 0, model, task)], per_run[(n, 1, model, task)]
+        if model == "zero_shot":  # theta_0, evaluated once with seed 0's run: that one value, no spread
+            assert a == b and (row["seeds"], row["accuracy"], row["accuracy_std"]) == ([0], a, None)
+            continue
         # two seeds: mean (a + b) / 2, sample standard deviation |a - b| / sqrt(2)
         assert row["seeds"] == [0, 1]
         assert math.isclose(row["accuracy"], (a + b) / 2, abs_tol=1e-12)
         assert math.isclose(row["accuracy_std"], abs(a - b) / math.sqrt(2), abs_tol=1e-12)
-    assert any(row["accuracy_std"] > 0 for row in aggregate.values())  # the seeds trained different models
+    assert any((row["accuracy_std"] or 0) > 0 for row in aggregate.values())  # the seeds trained different models
 
     # The evaluation submitted again (as after a preemption): every cell is found, none is evaluated again.
     again = slurm.run("sbatch", "--parsable", f"--chdir={work}", "--partition=debug", "--gres=none",

@@ -164,6 +164,37 @@ def test_mean_and_std_over_seeds_against_hand_numbers(tmp_path):
     assert "±" not in (single / "results.md").read_text()
 
 
+def test_a_model_measured_once_is_one_value_over_the_seeds_not_a_mean_with_no_spread(tmp_path):
+    """A joint model trained at seed 0 and theta_0, each evaluated once and repeated beside both seeds'
+    runs, are one measurement each: their aggregate is that value, with no ± and only seed 0 named
+    (issue 50: a joint model trained once read "93.6 ± 0.0" with seeds 0, 1, 2)."""
+    results = []
+    for seed, (a, b) in ((0, (0.60, 0.50)), (1, (0.66, 0.52))):
+        results += [ModelResult(2, "zero_shot", {"a": 0.20, "b": 0.10}, seed=seed, measured_at=0),
+                    _result(2, "fine_tuned", seed, 0.90, 0.80, cos=0.1),
+                    ModelResult(2, "joint", {"a": 0.95, "b": 0.91}, seed=seed, measured_at=0),
+                    _result(2, "uniform", seed, a, b)]
+    write_results(tmp_path, results)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    aggregate = {(r["model"], r["task"]): r for r in rows if r["seed"] == "mean"}
+    for model, mean in (("joint", 0.93), ("zero_shot", 0.15)):
+        row = aggregate[(model, "mean")]
+        assert (row["seeds"], row["accuracy_std"]) == ([0], None) and math.isclose(row["accuracy"], mean, abs_tol=1e-12)
+    uniform = aggregate[("uniform", "mean")]
+    assert uniform["seeds"] == [0, 1] and math.isclose(uniform["accuracy_std"], abs(0.55 - 0.59) / math.sqrt(2), abs_tol=1e-12)
+    assert {r["measured_at"] for r in rows if r["seed"] in (0, 1) and r["model"] in ("joint", "zero_shot")} == {0}
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| joint | 93.0 |" in markdown and "| joint | 93.0 ± " not in markdown
+    joint_line, = [line for line in markdown.split("## N = 2: mean ± std over seeds 0, 1")[1].splitlines()
+                   if line.startswith("| joint |")][:1]
+    assert joint_line.endswith("| 0 |"), joint_line  # the seeds column names the one seed it was trained at
+    with open(tmp_path / "results.csv", newline="") as handle:
+        joint_csv = next(r for r in csv.DictReader(handle) if (r["model"], r["task"], r["seed"]) == ("joint", "mean", "mean"))
+    assert (joint_csv["accuracy"], joint_csv["accuracy_std"]) == ("0.9300", "")
+    assert [(r.model, r.seed, r.measured_at) for r in read_results(tmp_path)] == [
+        (r.model, r.seed, r.measured_at) for r in results]
+
+
 @pytest.fixture(scope="module")
 def seed_runs(tmp_path_factory, small_clip):
     """Two N = 1 runs that differ only in the seed (seed_everything and data.seed, as sweep_n.sbatch sets them)."""
@@ -202,7 +233,7 @@ def test_evaluate_over_seeds_goes_on_from_its_cells_and_matches_a_hand_computati
         assert abs(per_run["mean"] - (a + b) / 2) < 1e-6
         aggregate = next(r for r in rows if (r["model"], r["task"], r["seed"]) == ("uniform", task, "mean"))
         assert aggregate["seeds"] == [0, 1] and abs(aggregate["accuracy_std"] - abs(a - b) / math.sqrt(2)) < 1e-6
-    assert any(r["accuracy_std"] > 0 for r in rows if r["seed"] == "mean")  # the seeds trained different models
+    assert any((r["accuracy_std"] or 0) > 0 for r in rows if r["seed"] == "mean")  # the seeds trained different models
     # cells per run: zero_shot (counted once), fine_tuned, uniform on each task's test split, and the geometry
     expected_cells = len(TASKS) + 2 * (2 * len(TASKS) + 1)
 

@@ -17,6 +17,7 @@ from mima.core.files import write_error
 from mima.core.names import FINE_TUNED, JOINT, ZERO_SHOT
 from mima.core.publish import publish_folder, remove_folders, stage_folder
 from mima.core.run_folder import RunFolder, SweepFolder
+from mima.config.run_config import load_run_config
 from mima.evaluation.accuracy import accuracy_of
 from mima.evaluation.cells import GEOMETRY, Cell, CellStore, point_key
 from mima.evaluation.plots import plot_accuracy_vs_n, plot_cosine_vs_n
@@ -42,6 +43,10 @@ def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelR
 
     several_seeds = len({(int(c.model.iterations), c.seed) for c in evaluation.configs}) > \
         len({int(c.model.iterations) for c in evaluation.configs})
+    # theta_0 (evaluated with the first run) and the joint model (trained once) are one measurement each,
+    # repeated beside every run: with several seeds their rows say which seed's run measured them
+    zero_shot_seed = evaluation.configs[0].seed if several_seeds else None
+    joint_seed = load_run_config(evaluation.joint).seed if several_seeds and evaluation.joint else None
     zero_shot_run = evaluation.run_id(evaluation.runs[0])
     zero_shot = accuracies(zero_shot_run, ZERO_SHOT, NO_POINT)
     joint_run = evaluation.run_id(evaluation.joint) if evaluation.joint else None
@@ -50,11 +55,12 @@ def build_results(evaluation: Evaluation, store: CellStore) -> tuple[list[ModelR
     for run, config in zip(evaluation.runs, evaluation.configs):
         run_id, n, seed = evaluation.run_id(run), int(config.model.iterations), config.seed
         geometry = store.get(Cell(run_id, GEOMETRY, NO_POINT, "-", "-"))
-        own = [measured(ModelResult(n, ZERO_SHOT, dict(zero_shot), seed=seed), zero_shot_run, NO_POINT),
+        own = [measured(ModelResult(n, ZERO_SHOT, dict(zero_shot), seed=seed, measured_at=zero_shot_seed), zero_shot_run,
+                        NO_POINT),
                measured(ModelResult(n, FINE_TUNED, accuracies(run_id, FINE_TUNED, NO_POINT),
                                     mean_cos_tau=geometry["mean"], seed=seed), run_id, NO_POINT)]
         if joint is not None:  # one model for every run, like zero_shot; placed after fine_tuned
-            own.append(measured(ModelResult(n, JOINT, dict(joint), seed=seed), joint_run, NO_POINT))
+            own.append(measured(ModelResult(n, JOINT, dict(joint), seed=seed, measured_at=joint_seed), joint_run, NO_POINT))
         for method in evaluation.methods:
             grid = evaluation.grid(method)
             if not grid:

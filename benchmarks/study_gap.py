@@ -1,0 +1,214 @@
+"""The joint-gap report of benchmarks/study.py's gap grid (issue 50): how far one merged model is below
+the joint multi-task model at each number of syncs, per operator at the sync and per final merge.
+
+For each T, each cell of equal budgets (an operator at the sync), each N and each final merge: the
+joint gap = the joint model's mean test accuracy minus the merged model's, in points, paired at each
+seed on the same test images (benchmarks/study_claims.py: the paired bootstrap 95 % interval per seed,
+the Student t 95 % interval over the seeds). A merge is *level with the joint model* when neither
+says otherwise: the interval over the seeds holds 0 and so does every seed's own interval. Beside it:
+the syncs (N - 1: every phase after the first starts from a merge), the bytes a federated layout
+(W = T, one process per task) would send and receive per process over them (`mima plan`'s figure,
+from each run's cost.json), the measured CPU seconds per fit, and which runs came from an earlier study.
+
+Written by `write_gap_report` into OUT/gap.md, OUT/gap.json and OUT/joint_gap_vs_syncs.png.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from study_claims import Claim, Side, evaluate_claim, mean_std  # noqa: E402
+
+from mima.core.names import FINE_TUNED, JOINT  # noqa: E402
+
+GAP_FIGURE = "joint_gap_vs_syncs.png"
+SAYS = "the joint gap (issue 50)"
+
+
+def holds_zero(interval: Sequence[float] | None) -> bool:
+    return interval is None or interval[0] <= 0 <= interval[1]
+
+
+def level_with_joint(claim: Mapping) -> bool:
+    """Neither the Student t interval over the seeds nor any seed's paired interval excludes 0 (with
+    one seed, there is no interval over seeds: that seed's decides)."""
+    return holds_zero(claim["ci95_over_seeds"]) and all(holds_zero(seed["ci95"]) for seed in claim["per_seed"])
+
+
+def format_bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def _summary(rows: Sequence[Mapping], tasks: int, operator: str, n: int, model: str) -> Mapping | None:
+    found = [r for r in rows if (r["T"], r["budget"], r["operator"], r["N"], r["model"]) == (tasks, "equal", operator, n, model)]
+    return found[0] if found else None
+
+
+def _accuracy(row: Mapping | None) -> str:
+    return "-" if row is None else mean_std(row["accuracy"], row["accuracy_std"])
+
+
+def _run_costs(costs: Sequence[Mapping], tasks: int, operator: str, n: int) -> list[Mapping]:
+    prefix = f"N{n}-seed"
+    return [c for c in costs if (c["T"], c["budget"], c["operator"]) == (tasks, "equal", operator) and c["run"].startswith(prefix)]
+
+
+def gap_rows(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping], iterations_of: Callable,
+             data_merges: Collection[str]) -> tuple[list[dict], list[str]]:
+    """One row per (T, operator, N, merge) whose evaluations are done, and the labels of those still
+    pending. `grid`: benchmarks/study.py's Grid; `iterations_of(cell)`: the N its cell trains."""
+    found, pending = [], []
+    joint_cells = {cell.tasks: str(cell.folder(Path())) for cell in grid.cells if cell.joint and cell.budget == "equal"}
+    for cell in grid.cells:
+        if cell.budget != "equal" or cell.tasks not in joint_cells:
+            continue
+        name = str(cell.folder(Path()))
+        for n in iterations_of(cell):
+            run_costs = _run_costs(costs, cell.tasks, cell.operator, n)
+            federated = [c["plan_sync_bytes_federated"] for c in run_costs if c.get("plan_sync_bytes_federated") is not None]
+            for merge in (m for m in cell.merges if m not in data_merges):
+                claim = Claim(Side(joint_cells[cell.tasks], JOINT), Side(name, merge, n), SAYS)
+                compared = evaluate_claim(claim, out, list(grid.seeds))
+                if compared is None:
+                    pending.append(claim.second.label())
+                    continue
+                found.append({
+                    "T": cell.tasks, "operator": cell.operator, "N": n, "syncs": n - 1, "merge": merge,
+                    "merged": _summary(rows, cell.tasks, cell.operator, n, merge),
+                    "task_models": _summary(rows, cell.tasks, cell.operator, n, FINE_TUNED),
+                    "joint": _summary(rows, cell.tasks, "uniform", n, JOINT) or _summary_any_n(rows, cell.tasks),
+                    "gap": compared["difference"], "gap_std": compared["difference_std"],
+                    "ci95_over_seeds": compared["ci95_over_seeds"], "per_seed": compared["per_seed"],
+                    "verdict": compared["verdict"], "level": level_with_joint(compared),
+                    "federated_bytes_per_process": statistics.fmean(federated) if federated else None,
+                    "cpu_s_per_fit": statistics.fmean(c["cpu_s"] for c in run_costs) if run_costs else None,
+                    "reused": sorted(c["run"] for c in run_costs if c.get("reused_from")),
+                })
+    return found, pending
+
+
+def _summary_any_n(rows: Sequence[Mapping], tasks: int) -> Mapping | None:
+    """The joint model's row (the same model at every N of its cell)."""
+    found = [r for r in rows if (r["T"], r["budget"], r["operator"], r["model"]) == (tasks, "equal", "uniform", JOINT)]
+    return found[0] if found else None
+
+
+def smallest_level(gaps: Sequence[Mapping]) -> list[dict]:
+    """Per (T, operator, merge): the smallest N whose merge is level with the joint model, with its syncs
+    and bytes; None where no N of the cell is (up to the largest N it has)."""
+    groups: dict[tuple[int, str, str], list[Mapping]] = {}
+    for row in gaps:
+        groups.setdefault((row["T"], row["operator"], row["merge"]), []).append(row)
+    result = []
+    for (tasks, operator, merge), group in groups.items():
+        level = sorted((row for row in group if row["level"]), key=lambda row: row["N"])
+        first = level[0] if level else None
+        result.append({"T": tasks, "operator": operator, "merge": merge, "largest_N": max(row["N"] for row in group),
+                       "N": first["N"] if first else None, "syncs": first["syncs"] if first else None,
+                       "federated_bytes_per_process": first["federated_bytes_per_process"] if first else None,
+                       "gap": first["gap"] if first else None})
+    return result
+
+
+def _interval(values: Sequence[float] | None) -> str:
+    return "-" if values is None else "[{:+.1f}, {:+.1f}]".format(*values)
+
+
+def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: Sequence[str], seeds: Sequence[int]) -> str:
+    lines = [f"# The joint gap (issue 50), seeds {list(seeds)}", "",
+             "Joint gap = the joint model's mean test accuracy minus the merged model's, in points (positive: the "
+             "joint model is higher): mean ± std over the seeds, the Student t 95 % interval over the seeds and each "
+             "seed's paired bootstrap 95 % interval on the same test images. 'level' when none of them excludes 0. "
+             "Syncs = N - 1; bytes: sent + received per process over the syncs in a federated layout "
+             "(W = T, `mima plan`); CPU s: measured per fit, mean over the seeds.", ""]
+    for tasks in sorted({row["T"] for row in gaps}):
+        lines += [f"## T = {tasks}", "",
+                  "| operator | N | syncs | bytes per process (W = T) | CPU s per fit | task models | merge | merged | joint | "
+                  "joint gap | 95 % over seeds | 95 % per seed | level |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- |"]
+        for row in (r for r in gaps if r["T"] == tasks):
+            per_seed = "; ".join(_interval(seed["ci95"]) for seed in row["per_seed"])
+            cpu = "-" if row["cpu_s_per_fit"] is None else f"{row['cpu_s_per_fit']:.0f}"
+            lines.append(f"| {row['operator']} | {row['N']} | {row['syncs']} | {format_bytes(row['federated_bytes_per_process'])} | "
+                         f"{cpu} | {_accuracy(row['task_models'])} | {row['merge']} | {_accuracy(row['merged'])} | "
+                         f"{_accuracy(row['joint'])} | {mean_std(row['gap'], row['gap_std'], signed=True)} | "
+                         f"{_interval(row['ci95_over_seeds'])} | {per_seed} | {'level' if row['level'] else 'no'} |")
+        lines.append("")
+    lines += ["## The smallest N level with the joint model", "",
+              "| T | operator | final merge | smallest N | syncs | bytes per process (W = T) | joint gap there |",
+              "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for row in smallest:
+        if row["N"] is None:
+            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | none up to N = {row['largest_N']} | - | - | - |")
+        else:
+            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | {row['N']} | {row['syncs']} | "
+                         f"{format_bytes(row['federated_bytes_per_process'])} | {row['gap']:+.1f} |")
+    reused = sorted({(row["T"], row["operator"], run) for row in gaps for run in row["reused"]})
+    lines += ["", "Runs reused from an earlier study (not trained again): "
+              + (", ".join(f"T{t}/{op}/{run}" for t, op, run in reused) if reused else "none") + "."]
+    if pending:
+        lines += ["", "Not evaluated yet: " + "; ".join(pending) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
+    """The joint gap against the syncs: one panel per (T, final merge), one line per operator, the
+    Student t interval over the seeds shaded; 0 (level) dashed."""
+    task_counts = sorted({row["T"] for row in gaps})
+    merges = list(dict.fromkeys(row["merge"] for row in gaps))
+    operators = list(dict.fromkeys(row["operator"] for row in gaps))
+    colours = dict(zip(operators, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    figure, axes = plt.subplots(len(task_counts), len(merges), figsize=(3.3 * len(merges), 3.0 * len(task_counts)),
+                                sharex=True, squeeze=False)
+    for i, tasks in enumerate(task_counts):
+        for j, merge in enumerate(merges):
+            axis = axes[i][j]
+            for operator in operators:
+                line = sorted((r for r in gaps if (r["T"], r["merge"], r["operator"]) == (tasks, merge, operator)),
+                              key=lambda r: r["syncs"])
+                if not line:
+                    continue
+                syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
+                axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator], label=operator)
+                shaded = [(s, r["ci95_over_seeds"]) for s, r in zip(syncs, line) if r["ci95_over_seeds"]]
+                if shaded:
+                    axis.fill_between([s for s, _ in shaded], [c[0] for _, c in shaded], [c[1] for _, c in shaded],
+                                      color=colours[operator], alpha=0.15, linewidth=0)
+            axis.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
+            axis.set_xscale("log")
+            axis.set_title(f"T = {tasks}, final merge: {merge}", fontsize=9)
+            if i == len(task_counts) - 1:
+                axis.set_xlabel("syncs (N - 1)")
+            if j == 0:
+                axis.set_ylabel("joint - merged (points)")
+    axes[0][-1].legend(title="operator at the sync", fontsize=7, title_fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_gap_report(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping], iterations_of: Callable,
+                     data_merges: Collection[str]) -> list[dict]:
+    """OUT/gap.md, gap.json and the figure from the cells evaluated so far; the gap rows."""
+    gaps, pending = gap_rows(out, grid, rows, costs, iterations_of, data_merges)
+    smallest = smallest_level(gaps)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gap.md").write_text(gap_markdown(gaps, smallest, pending, grid.seeds))
+    (out / "gap.json").write_text(json.dumps({"grid": grid.name, "seeds": list(grid.seeds), "rows": gaps,
+                                              "smallest_level": smallest, "pending": pending}, indent=2) + "\n")
+    if gaps:
+        plot_gap(gaps, out / GAP_FIGURE)
+    return gaps

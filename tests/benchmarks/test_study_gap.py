@@ -1,0 +1,108 @@
+"""benchmarks/study.py's gap grid (issue 50) on a tiny grid: the small CLIP on two digits tasks, one seed,
+S = 4, the uniform sync (with the joint model) and outer Nesterov at N = 2 and 4, ATM at N = 2, two final
+merges; outer Nesterov's lr and momentum chosen on validation first. It writes the gap report and figure,
+a second call trains nothing, and a second study reusing the first trains nothing either."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mima.core.run_folder import RunFolder
+from mima.pools import task_pool
+from tests.helpers import STUDY_TASKS as TASKS
+from tests.helpers import final_bytes, load_study, tiny_study_base
+
+CANDIDATES = ((0.7, 0.9), (1.0, 0.5))
+
+
+def _tiny_gap_grid(study):
+    merges = ("uniform", "task_arithmetic")
+    cells = (study.Cell(2, "equal", "uniform", (2, 4), merges, joint=True),
+             study.Cell(2, "equal", "outer_nesterov", (2, 4), merges, joint=False),
+             study.Cell(2, "equal", "atm", (2,), merges, joint=False))
+    return study.Grid("tiny-gap", (0,), cells, steps=4, family=TASKS, select_on_val=False,
+                      outer_choice=study.OuterChoice(2, 2, 0, CANDIDATES), joint_gap=True)
+
+
+def _uniform_validation_accuracy(run: Path) -> float:
+    """The uniform merge's mean validation accuracy, the merge taken here by hand."""
+    folder = RunFolder(run)
+    finals = [folder.final(task) for task in TASKS]
+    average = {key: sum(state[key] for state in finals) / len(finals) for key in finals[0]}
+    return task_pool(folder).evaluator("val").mean_accuracy(average)
+
+
+def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp_path, small_clip, capsys):
+    study = load_study()
+    out = tmp_path / "gap"
+    base = tiny_study_base(small_clip)
+    grid = _tiny_gap_grid(study)
+    rows = study.run_study(base, grid, out)
+
+    # outer Nesterov's choice: each candidate's score is its uniform merge on the validation splits,
+    # the best one (the first on ties) is taken, and every outer_nesterov run was trained with it
+    choice = json.loads((out / "T2" / "equal" / "outer_nesterov-choice" / "choice.json").read_text())
+    scores = [c["uniform_validation_accuracy"] for c in choice["candidates"]]
+    for (lr, momentum), score in zip(CANDIDATES, scores):
+        run = out / "T2" / "equal" / "outer_nesterov-choice" / "runs" / f"lr{lr:g}-momentum{momentum:g}"
+        assert score == pytest.approx(_uniform_validation_accuracy(run), abs=1e-6)
+    lr, momentum = CANDIDATES[scores.index(max(scores))]
+    assert choice["chosen"] == {"outer_lr": lr, "outer_momentum": momentum}
+    for n in (2, 4):
+        saved = RunFolder(out / "T2" / "equal" / "outer_nesterov" / "runs" / f"N{n}-seed0").config_file.read_text()
+        assert "outer_nesterov" in saved and f"outer_lr: {lr}" in saved and f"outer_momentum: {momentum}" in saved
+
+    # the gap: the joint model's mean test accuracy minus the merge's, as the cells' results.json have them
+    report = json.loads((out / "gap.json").read_text())
+    assert report["pending"] == []
+    assert {(g["operator"], g["N"], g["merge"]) for g in report["rows"]} == {
+        (operator, n, merge) for operator, ns in (("uniform", (2, 4)), ("outer_nesterov", (2, 4)), ("atm", (2,)))
+        for n in ns for merge in ("uniform", "task_arithmetic")}
+    joint_table = json.loads((out / "T2" / "equal" / "uniform" / "results.json").read_text())
+    joint_mean, = {r["accuracy"] for r in joint_table if (r["model"], r["task"]) == ("joint", "mean")}
+    costs = json.loads((out / "study.json").read_text())["costs"]
+    for gap in report["rows"]:
+        table = json.loads((out / "T2" / "equal" / gap["operator"] / "results.json").read_text())
+        merged, = [r["accuracy"] for r in table if (r["model"], r["task"], r["N"]) == (gap["merge"], "mean", gap["N"])]
+        assert gap["gap"] == pytest.approx(100 * (joint_mean - merged), abs=1e-6)
+        low, high = gap["per_seed"][0]["ci95"]
+        assert gap["ci95_over_seeds"] is None and gap["level"] == (low <= 0 <= high)  # one seed: its interval decides
+        cost, = [c for c in costs if (c["operator"], c["run"]) == (gap["operator"], f"N{gap['N']}-seed0")]
+        assert gap["syncs"] == gap["N"] - 1 == cost["plan_syncs"] and gap["cpu_s_per_fit"] == cost["cpu_s"] > 0
+    # W = T = 2: each process sends and receives one task's state per sync, so the bytes grow with the syncs
+    bytes_at = {g["N"]: g["federated_bytes_per_process"] for g in report["rows"] if g["operator"] == "uniform"}
+    assert bytes_at[4] == 3 * bytes_at[2] > 0
+    for smallest in report["smallest_level"]:
+        level = sorted(g["N"] for g in report["rows"] if g["level"] and
+                       (g["operator"], g["merge"]) == (smallest["operator"], smallest["merge"]))
+        assert smallest["N"] == (level[0] if level else None)
+    markdown = (out / "gap.md").read_text()
+    assert "## T = 2" in markdown and "reused from an earlier study (not trained again): none" in markdown
+    assert (out / "joint_gap_vs_syncs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a second call trains and chooses nothing
+    capsys.readouterr()
+    assert study.run_study(base, grid, out) == rows
+    assert "fitting" not in capsys.readouterr().out
+
+    # a second study reusing the first: every run copied (cost.json says from where), nothing trained,
+    # the same final models and the same report; a run trained with other settings is not reused
+    again = tmp_path / "again"
+    assert study.run_study(base, grid, again, earlier=out) == rows
+    printed = capsys.readouterr().out
+    assert "fitting" not in printed and printed.count("study: reusing") == 8  # 2 N + joint, 2 choices, 2 N, 1 N
+    for run in out.glob("T2/equal/*/runs/*"):
+        copied = again / run.relative_to(out)
+        assert final_bytes(copied) == final_bytes(run)
+        assert json.loads((copied / "cost.json").read_text())["reused_from"] == str(run)
+    assert json.loads((again / "gap.json").read_text())["rows"] == [
+        {**g, "reused": [f"N{g['N']}-seed0"]} for g in report["rows"]]
+    other = {**base, "model": {**base["model"], "lr": 2e-3}}
+    run_config = study.fit_run_config(study.cell_config(other, grid.cells[0], 4, TASKS), {"iterations": 2}, 0,
+                                      tmp_path / "third" / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", False)
+    assert not study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", run_config)
+    assert not study.reuse_earlier_run(out, tmp_path / "third", Path(run_config["out"]), run_config)
+    assert "not reusing" in capsys.readouterr().out and not Path(run_config["out"]).exists()
