@@ -69,12 +69,10 @@ def calls_at_most(limit: int):
             if calls > limit:
                 raise WorkBoundExceeded(f"more than {limit} Python function calls")
 
-    previous = sys.getprofile()
-    sys.setprofile(count)
-    try:
+    with contextlib.ExitStack() as restore:
+        restore.callback(sys.setprofile, sys.getprofile())  # the profiler before this block, whatever ends it
+        sys.setprofile(count)
         yield
-    finally:
-        sys.setprofile(previous)
 
 
 def bytes_read() -> int:
