@@ -176,6 +176,9 @@ def result_row_problem(row: object) -> str | None:
     seed = row.get("seed")
     if not (seed is None or seed == MEAN_OVER_SEEDS or isinstance(seed, int) and not isinstance(seed, bool)):
         return f"has a 'seed' that is neither a whole number nor {MEAN_OVER_SEEDS!r} (found {short_json(seed)})"
+    measured_at = row.get("measured_at")
+    if not (measured_at is None or isinstance(measured_at, int) and not isinstance(measured_at, bool)):
+        return f"has a 'measured_at' that is not the whole-number seed of a run (found {short_json(measured_at)})"
     return None
 
 

@@ -40,6 +40,9 @@ def folder(tmp_path, monkeypatch) -> Path:
     (tmp_path / "results" / "results.json").write_text(json.dumps([1, 2, "x"]))
     (tmp_path / "no-accuracy").mkdir()
     (tmp_path / "no-accuracy" / "results.json").write_text(json.dumps([{"N": 1, "model": "ties", "task": "rot90"}]))
+    (tmp_path / "measured-at-text").mkdir()
+    (tmp_path / "measured-at-text" / "results.json").write_text(json.dumps(
+        [{"N": 1, "model": "joint", "task": "rot90", "seed": 1, "accuracy": 0.9, "measured_at": "zero"}]))
     return tmp_path
 
 
@@ -81,6 +84,8 @@ CASES = {
     "load-results-rows-not-objects": (lambda: mima.load_results("results"), "results.json: row 0 is not an object"),
     "load-results-row-without-accuracy": (lambda: mima.load_results("no-accuracy"),
                                           "results.json: row 0 has no number 'accuracy'"),
+    "load-results-measured-at-not-a-seed": (lambda: mima.load_results("measured-at-text"),
+                                            "results.json: row 0 has a 'measured_at' that is not the whole-number seed"),
     "plan-a-number": (lambda: mima.plan(5), "config: expected a path (str or os.PathLike) of a config file"),
     "plan-a-config-yaml-cannot-hold": (lambda: mima.plan({"model": {"lr": object()}}),
                                        "config.model.lr: object <object object"),
