@@ -95,7 +95,7 @@ def test_a_tracker_that_cannot_start_refuses_the_run_in_one_line(tmp_path, small
 
 
 def test_mimas_default_mlflow_store_works_without_the_switch(tmp_path, small_clip, capfd, no_file_store_switch):
-    outcome = fit(tmp_path, small_clip, capfd, logger=[mlflow()])
+    outcome = fit(tmp_path, small_clip, capfd, logger=[mlflow()], log_every_n_steps=4)
     assert outcome.code == 0, outcome.err[-3000:]
     assert "Traceback" not in outcome.err and "tracker failed" not in outcome.err, outcome.err
     record = json.loads((tmp_path / "run" / "tracker.json").read_text())
