@@ -172,7 +172,8 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
     operators = list(dict.fromkeys(row["operator"] for row in gaps))
     colours = dict(zip(operators, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     figure, axes = plt.subplots(len(task_counts), len(merges), figsize=(3.3 * len(merges), 3.0 * len(task_counts)),
-                                sharex=True, squeeze=False)
+                                sharex=True, sharey="row", squeeze=False)
+    ticks = sorted({max(row["syncs"], 1) for row in gaps})
     for i, tasks in enumerate(task_counts):
         for j, merge in enumerate(merges):
             axis = axes[i][j]
@@ -183,18 +184,24 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                     continue
                 syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
                 axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator], label=operator)
+                level = [(s, r["gap"]) for s, r in zip(syncs, line) if r["level"]]
+                if level:  # a ring: level with the joint model (no interval excludes 0)
+                    axis.scatter([s for s, _ in level], [g for _, g in level], s=110, facecolors="none",
+                                 edgecolors="black", linewidths=1.0, zorder=3)
                 shaded = [(s, r["ci95_over_seeds"]) for s, r in zip(syncs, line) if r["ci95_over_seeds"]]
                 if shaded:
                     axis.fill_between([s for s, _ in shaded], [c[0] for _, c in shaded], [c[1] for _, c in shaded],
                                       color=colours[operator], alpha=0.15, linewidth=0)
             axis.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
             axis.set_xscale("log")
+            axis.set_xticks(ticks, [str(t) for t in ticks])
+            axis.minorticks_off()
             axis.set_title(f"T = {tasks}, final merge: {merge}", fontsize=9)
             if i == len(task_counts) - 1:
                 axis.set_xlabel("syncs (N - 1)")
             if j == 0:
                 axis.set_ylabel("joint - merged (points)")
-    axes[0][-1].legend(title="operator at the sync", fontsize=7, title_fontsize=7)
+    axes[0][-1].legend(title="operator at the sync (ring: level)", fontsize=7, title_fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
