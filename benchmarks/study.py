@@ -299,16 +299,30 @@ def planned_sync_bytes(run_config: Mapping, world_size: int) -> int:
     return planned_syncs(run_config, world_size)[1]
 
 
+# Options that cannot change a run's weights: a reused run may differ in them
+DISPLAY_OPTIONS = frozenset({"out", "overwrite", "ckpt_path", "checkpoint_every", "keep_checkpoints",
+                             "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.logger"})
+
+
 def same_training(earlier: Path, run_config: Mapping) -> bool:
     """The earlier run folder's config trains what `run_config` would: the same model and data
-    settings and seed (the trainer's display options and the folder may differ)."""
+    settings (defaults filled in) and seed, and every other option `run_config` sets (the trainer's,
+    threads_per_process, ...) the same in the saved config.yaml, display options and the folder aside."""
+    from mima.config.config_changes import flatten
+    from mima.core.run_folder import RunFolder
+
     try:
         saved = load_run_config(earlier)
+        stored = flatten(RunFolder(earlier).config_dict())
     except MimaError:
         return False
     plain = {key: value for key, value in run_config.items() if key not in ("out", "overwrite", "ckpt_path")}
     wanted = load_run_config(plain)
-    return (saved.model_args(), saved.data_args(), saved.seed) == (wanted.model_args(), wanted.data_args(), wanted.seed)
+    if (saved.model_args(), saved.data_args(), saved.seed) != (wanted.model_args(), wanted.data_args(), wanted.seed):
+        return False
+    others = {key: value for key, value in flatten({k: v for k, v in plain.items() if k not in ("model", "data")}).items()
+              if key not in DISPLAY_OPTIONS and key != "seed_everything"}
+    return all(stored.get(key) == value for key, value in others.items())
 
 
 def reuse_earlier_run(earlier: Path | None, out: Path, run_path: Path, run_config: Mapping) -> bool:
@@ -333,9 +347,18 @@ def reuse_earlier_run(earlier: Path | None, out: Path, run_path: Path, run_confi
     return True
 
 
+PARTIAL_COST_FILE = "cost.partial.json"  # the CPU and wall seconds of a run's earlier, stopped attempts
+
+
 def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> dict:
-    """Fit one run and return its cost record (the module docstring says what each value is)."""
-    resumed = Path(run_config["out"], "config.yaml").is_file()
+    """Fit one run and return its cost record (the module docstring says what each value is). A run
+    stopped by a signal adds its attempt's seconds to cost.partial.json, which the attempt that
+    finishes adds in; `cpu_complete` is false where an earlier attempt ended without saying (killed),
+    so its seconds are missing."""
+    run_path = Path(run_config["out"])
+    resumed = (run_path / "config.yaml").is_file()
+    partial_file = run_path / PARTIAL_COST_FILE
+    earlier = read_json(partial_file) if partial_file.is_file() else {"cpu_s": 0.0, "wall_s": 0.0, "attempts": 0}
     if resumed:
         run_config = {**run_config, "ckpt_path": "last"}
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -344,13 +367,16 @@ def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> d
     wall = time.perf_counter() - wall
     cpu = time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+    cpu, wall = cpu + earlier["cpu_s"], wall + earlier["wall_s"]
     if result.preempted_by is not None:
+        partial_file.write_text(json.dumps({"cpu_s": cpu, "wall_s": wall, "attempts": earlier["attempts"] + 1}) + "\n")
         print(f"study: {run_config['out']} stopped (state saved); run the same command to go on")
         raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
-    cpu += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     syncs, _ = planned_syncs(run_config, 1)
     return {
         "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "resumed": resumed, "grid": grid, "plan_syncs": syncs,
+        "cpu_complete": not resumed or earlier["attempts"] > 0,
         "sync_bytes": 0,  # W = 1: the average is taken in memory, nothing is sent
         "plan_sync_bytes": planned_sync_bytes(run_config, 1),
         "plan_sync_bytes_federated": None if joint else planned_sync_bytes(run_config, tasks),
@@ -368,6 +394,7 @@ def fit_or_reuse(run_config: dict, tasks: int, joint: bool, label: str, grid: Gr
     print(f"study: {what}: fitting {label}")
     cost = fit_measured(run_config, tasks, joint, grid.name)
     (run_path / COST_FILE).write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
+    (run_path / PARTIAL_COST_FILE).unlink(missing_ok=True)
 
 
 def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, dry_run: bool,
@@ -489,8 +516,14 @@ def choose_outer(base: Mapping, grid: Grid, out: Path, progress: bool, dry_run: 
 
     choice = grid.outer_choice
     chosen_file = choice.folder(out) / CHOICE_FILE
+    settings = {"tasks": choice.tasks, "N": choice.iterations, "seed": choice.seed, "steps": grid.steps,
+                "candidates": [list(candidate) for candidate in choice.candidates]}
     if chosen_file.is_file():
-        return dict(read_json(chosen_file)["chosen"])
+        record = read_json(chosen_file)
+        if {key: record.get(key) for key in settings} != settings:
+            raise MimaError(f"{chosen_file}: made for other settings ({ {key: record.get(key) for key in settings} }) than "
+                            f"this grid's ({settings}); remove it (and its runs) to choose again")
+        return dict(record["chosen"])
     cell = Cell(choice.tasks, "equal", "outer_nesterov", (choice.iterations,), (), joint=False)
     best: BestPoint[tuple[float, float]] = BestPoint()
     rows = []
@@ -512,8 +545,7 @@ def choose_outer(base: Mapping, grid: Grid, out: Path, progress: bool, dry_run: 
     if dry_run and len(rows) < len(choice.candidates):
         return None
     lr, momentum = best.point
-    record = {"tasks": choice.tasks, "N": choice.iterations, "seed": choice.seed, "candidates": rows,
-              "chosen": {"outer_lr": lr, "outer_momentum": momentum}}
+    record = {**settings, "scores": rows, "chosen": {"outer_lr": lr, "outer_momentum": momentum}}
     chosen_file.write_text(json.dumps(record, indent=2) + "\n")
     print(f"study: outer Nesterov: outer lr {lr:g}, momentum {momentum:g} chosen on validation ({chosen_file})")
     return dict(record["chosen"])
@@ -719,7 +751,14 @@ def run_study(base: Mapping, grid: Grid, out: Path, progress: bool = False, dry_
             if chosen is None:  # a dry run before the choice: the cell's runs listed with DiLoCo's values
                 chosen = {}
         operator_args = (chosen or None) if takes_outer_choice(cell, grid) else None
-        rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run, operator_args, earlier))
+        try:
+            rows += summary_rows(cell, run_cell(base, cell, grid, out, progress, dry_run, operator_args, earlier))
+        except MimaError as exc:
+            if "in use by another job" not in str(exc):
+                raise
+            # a second process (--only) is on this cell: go on with the others; the same command later takes it
+            print(f"study: passing over {cell.folder(out)} for now: {exc}")
+            continue
         if not dry_run and not only and not tables:  # after every cell: a study stopped part way shows what it has
             write_reports(out, grid, rows)
     if tables:

@@ -4,8 +4,13 @@ the joint multi-task model at each number of syncs, per operator at the sync and
 For each T, each cell of equal budgets (an operator at the sync), each N and each final merge: the
 joint gap = the joint model's mean test accuracy minus the merged model's, in points, paired at each
 seed on the same test images (benchmarks/study_claims.py: the paired bootstrap 95 % interval per seed,
-the Student t 95 % interval over the seeds). A merge is *level with the joint model* when neither
-says otherwise: the interval over the seeds holds 0 and so does every seed's own interval. Beside it:
+the Student t 95 % interval over the seeds). Each row's standing against the joint model:
+  level   not distinguishable: the interval over the seeds holds 0 and so does every seed's own;
+  below   the joint model higher by the interval over the seeds or at some seed, and never lower;
+  above   the merge higher by the interval over the seeds or at some seed, and never lower;
+  mixed   higher at one seed, lower at another.
+A merge *reaches* the joint model when it is level or above; the report gives the smallest N at which
+it does, and whether every larger N of the cell does too. Beside it:
 the syncs (N - 1: every phase after the first starts from a merge), the bytes a federated layout
 (W = T, one process per task) would send and receive per process over them (`mima plan`'s figure,
 from each run's cost.json), the measured CPU seconds per fit, and which runs came from an earlier study.
@@ -33,14 +38,20 @@ GAP_FIGURE = "joint_gap_vs_syncs.png"
 SAYS = "the joint gap (issue 50)"
 
 
-def holds_zero(interval: Sequence[float] | None) -> bool:
-    return interval is None or interval[0] <= 0 <= interval[1]
+REACHES = ("level", "above")  # the standings in which a merge has reached the joint model
 
 
-def level_with_joint(claim: Mapping) -> bool:
-    """Neither the Student t interval over the seeds nor any seed's paired interval excludes 0 (with
-    one seed, there is no interval over seeds: that seed's decides)."""
-    return holds_zero(claim["ci95_over_seeds"]) and all(holds_zero(seed["ci95"]) for seed in claim["per_seed"])
+def standing(claim: Mapping) -> str:
+    """The module text's standing of a merge against the joint model from the claim joint - merge: its
+    Student t interval over the seeds (None with one seed: the seed's own decides) and each seed's."""
+    intervals = [seed["ci95"] for seed in claim["per_seed"]]
+    if claim["ci95_over_seeds"] is not None:
+        intervals.append(claim["ci95_over_seeds"])
+    joint_higher = any(low > 0 for low, _ in intervals)
+    merge_higher = any(high < 0 for _, high in intervals)
+    if joint_higher and merge_higher:
+        return "mixed"
+    return "below" if joint_higher else "above" if merge_higher else "level"
 
 
 def format_bytes(count: float | None) -> str:
@@ -81,20 +92,24 @@ def gap_rows(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping],
             federated = [c["plan_sync_bytes_federated"] for c in run_costs if c.get("plan_sync_bytes_federated") is not None]
             for merge in (m for m in cell.merges if m not in data_merges):
                 claim = Claim(Side(joint_cells[cell.tasks], JOINT), Side(name, merge, n), SAYS)
-                compared = evaluate_claim(claim, out, list(grid.seeds))
+                merged = _summary(rows, cell.tasks, cell.operator, n, merge)
+                joint = _summary(rows, cell.tasks, "uniform", n, JOINT) or _summary_any_n(rows, cell.tasks)
+                # both cells' tables in this process's rows too (a cell another process evaluated: pending
+                # until the whole grid's process has read it), so that no row shows a gap without its accuracies
+                compared = evaluate_claim(claim, out, list(grid.seeds)) if merged and joint else None
                 if compared is None:
                     pending.append(claim.second.label())
                     continue
+                measured = [c for c in run_costs if c.get("cpu_complete", True)]
                 found.append({
                     "T": cell.tasks, "operator": cell.operator, "N": n, "syncs": n - 1, "merge": merge,
-                    "merged": _summary(rows, cell.tasks, cell.operator, n, merge),
-                    "task_models": _summary(rows, cell.tasks, cell.operator, n, FINE_TUNED),
-                    "joint": _summary(rows, cell.tasks, "uniform", n, JOINT) or _summary_any_n(rows, cell.tasks),
-                    "gap": compared["difference"], "gap_std": compared["difference_std"],
+                    "merged": merged, "task_models": _summary(rows, cell.tasks, cell.operator, n, FINE_TUNED),
+                    "joint": joint, "gap": compared["difference"], "gap_std": compared["difference_std"],
                     "ci95_over_seeds": compared["ci95_over_seeds"], "per_seed": compared["per_seed"],
-                    "verdict": compared["verdict"], "level": level_with_joint(compared),
+                    "verdict": compared["verdict"], "standing": standing(compared),
                     "federated_bytes_per_process": statistics.fmean(federated) if federated else None,
-                    "cpu_s_per_fit": statistics.fmean(c["cpu_s"] for c in run_costs) if run_costs else None,
+                    "cpu_s_per_fit": statistics.fmean(c["cpu_s"] for c in measured) if measured else None,
+                    "cpu_fits": len(measured), "fits": len(run_costs),
                     "reused": sorted(c["run"] for c in run_costs if c.get("reused_from")),
                 })
     return found, pending
@@ -106,18 +121,23 @@ def _summary_any_n(rows: Sequence[Mapping], tasks: int) -> Mapping | None:
     return found[0] if found else None
 
 
-def smallest_level(gaps: Sequence[Mapping]) -> list[dict]:
-    """Per (T, operator, merge): the smallest N whose merge is level with the joint model, with its syncs
-    and bytes; None where no N of the cell is (up to the largest N it has)."""
+def smallest_reaching(gaps: Sequence[Mapping]) -> list[dict]:
+    """Per (T, operator, merge): the smallest N whose merge reaches the joint model (level or above),
+    its standing, syncs and bytes, and whether every larger N of the cell reaches it too; N None where
+    no N of the cell does (up to the largest N it has)."""
     groups: dict[tuple[int, str, str], list[Mapping]] = {}
     for row in gaps:
         groups.setdefault((row["T"], row["operator"], row["merge"]), []).append(row)
     result = []
     for (tasks, operator, merge), group in groups.items():
-        level = sorted((row for row in group if row["level"]), key=lambda row: row["N"])
-        first = level[0] if level else None
-        result.append({"T": tasks, "operator": operator, "merge": merge, "largest_N": max(row["N"] for row in group),
+        group = sorted(group, key=lambda row: row["N"])
+        reaching = [row for row in group if row["standing"] in REACHES]
+        first = reaching[0] if reaching else None
+        result.append({"T": tasks, "operator": operator, "merge": merge, "largest_N": group[-1]["N"],
                        "N": first["N"] if first else None, "syncs": first["syncs"] if first else None,
+                       "standing": first["standing"] if first else None,
+                       "every_larger_N": all(row["standing"] in REACHES for row in group if row["N"] >= first["N"])
+                       if first else None,
                        "federated_bytes_per_process": first["federated_bytes_per_process"] if first else None,
                        "gap": first["gap"] if first else None})
     return result
@@ -127,38 +147,43 @@ def _interval(values: Sequence[float] | None) -> str:
     return "-" if values is None else "[{:+.1f}, {:+.1f}]".format(*values)
 
 
-def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: Sequence[str], seeds: Sequence[int]) -> str:
+def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: Sequence[str], seeds: Sequence[int],
+                 reused: Sequence[str]) -> str:
     lines = [f"# The joint gap (issue 50), seeds {list(seeds)}", "",
              "Joint gap = the joint model's mean test accuracy minus the merged model's, in points (positive: the "
              "joint model is higher): mean ± std over the seeds, the Student t 95 % interval over the seeds and each "
-             "seed's paired bootstrap 95 % interval on the same test images. 'level' when none of them excludes 0. "
+             "seed's paired bootstrap 95 % interval on the same test images; the standing against the joint model: "
+             "level (none of them excludes 0), below (joint higher, never lower), above (merge higher, never lower), "
+             "mixed; the verdict as benchmarks/study_claims.py words it. "
              "Syncs = N - 1; bytes: sent + received per process over the syncs in a federated layout "
              "(W = T, `mima plan`); CPU s: measured per fit, mean over the seeds.", ""]
     for tasks in sorted({row["T"] for row in gaps}):
         lines += [f"## T = {tasks}", "",
                   "| operator | N | syncs | bytes per process (W = T) | CPU s per fit | task models | merge | merged | joint | "
-                  "joint gap | 95 % over seeds | 95 % per seed | level |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- |"]
+                  "joint gap | 95 % over seeds | 95 % per seed | standing | verdict |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | --- |"]
         for row in (r for r in gaps if r["T"] == tasks):
             per_seed = "; ".join(_interval(seed["ci95"]) for seed in row["per_seed"])
             cpu = "-" if row["cpu_s_per_fit"] is None else f"{row['cpu_s_per_fit']:.0f}"
+            if row["cpu_s_per_fit"] is not None and row["cpu_fits"] < row["fits"]:
+                cpu += f" ({row['cpu_fits']} of {row['fits']} fits measured whole)"
             lines.append(f"| {row['operator']} | {row['N']} | {row['syncs']} | {format_bytes(row['federated_bytes_per_process'])} | "
                          f"{cpu} | {_accuracy(row['task_models'])} | {row['merge']} | {_accuracy(row['merged'])} | "
                          f"{_accuracy(row['joint'])} | {mean_std(row['gap'], row['gap_std'], signed=True)} | "
-                         f"{_interval(row['ci95_over_seeds'])} | {per_seed} | {'level' if row['level'] else 'no'} |")
+                         f"{_interval(row['ci95_over_seeds'])} | {per_seed} | {row['standing']} | {row['verdict']} |")
         lines.append("")
-    lines += ["## The smallest N level with the joint model", "",
-              "| T | operator | final merge | smallest N | syncs | bytes per process (W = T) | joint gap there |",
-              "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += ["## The smallest N at which a merge reaches the joint model (level or above)", "",
+              "| T | operator | final merge | smallest N | standing there | every larger N too | syncs | "
+              "bytes per process (W = T) | joint gap there |",
+              "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
     for row in smallest:
         if row["N"] is None:
-            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | none up to N = {row['largest_N']} | - | - | - |")
+            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | none up to N = {row['largest_N']} | - | - | - | - | - |")
         else:
-            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | {row['N']} | {row['syncs']} | "
+            lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | {row['N']} | {row['standing']} | "
+                         f"{'yes' if row['every_larger_N'] else 'no'} | {row['syncs']} | "
                          f"{format_bytes(row['federated_bytes_per_process'])} | {row['gap']:+.1f} |")
-    reused = sorted({(row["T"], row["operator"], run) for row in gaps for run in row["reused"]})
-    lines += ["", "Runs reused from an earlier study (not trained again): "
-              + (", ".join(f"T{t}/{op}/{run}" for t, op, run in reused) if reused else "none") + "."]
+    lines += ["", "Runs reused from an earlier study (not trained again): " + (", ".join(reused) if reused else "none") + "."]
     if pending:
         lines += ["", "Not evaluated yet: " + "; ".join(pending) + "."]
     return "\n".join(lines) + "\n"
@@ -184,8 +209,8 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                     continue
                 syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
                 axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator], label=operator)
-                level = [(s, r["gap"]) for s, r in zip(syncs, line) if r["level"]]
-                if level:  # a ring: level with the joint model (no interval excludes 0)
+                level = [(s, r["gap"]) for s, r in zip(syncs, line) if r["standing"] in REACHES]
+                if level:  # a ring: the merge reaches the joint model (level or above)
                     axis.scatter([s for s, _ in level], [g for _, g in level], s=110, facecolors="none",
                                  edgecolors="black", linewidths=1.0, zorder=3)
                 shaded = [(s, r["ci95_over_seeds"]) for s, r in zip(syncs, line) if r["ci95_over_seeds"]]
@@ -201,7 +226,7 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 axis.set_xlabel("syncs (N - 1)")
             if j == 0:
                 axis.set_ylabel("joint - merged (points)")
-    axes[0][-1].legend(title="operator at the sync (ring: level)", fontsize=7, title_fontsize=7)
+    axes[0][-1].legend(title="operator at the sync (ring: reaches joint)", fontsize=7, title_fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -211,11 +236,13 @@ def write_gap_report(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[M
                      data_merges: Collection[str]) -> list[dict]:
     """OUT/gap.md, gap.json and the figure from the cells evaluated so far; the gap rows."""
     gaps, pending = gap_rows(out, grid, rows, costs, iterations_of, data_merges)
-    smallest = smallest_level(gaps)
+    smallest = smallest_reaching(gaps)
+    reused = [f"T{c['T']}/{c['budget']}/{c['operator']}/{c['run']}" for c in costs if c.get("reused_from")]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gap.md").write_text(gap_markdown(gaps, smallest, pending, grid.seeds))
+    (out / "gap.md").write_text(gap_markdown(gaps, smallest, pending, grid.seeds, reused))
     (out / "gap.json").write_text(json.dumps({"grid": grid.name, "seeds": list(grid.seeds), "rows": gaps,
-                                              "smallest_level": smallest, "pending": pending}, indent=2) + "\n")
+                                              "smallest_reaching": smallest, "reused": reused, "pending": pending},
+                                             indent=2) + "\n")
     if gaps:
         plot_gap(gaps, out / GAP_FIGURE)
     return gaps

@@ -5,6 +5,7 @@ a second call trains nothing, and a second study reusing the first trains nothin
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
     # outer Nesterov's choice: each candidate's score is its uniform merge on the validation splits,
     # the best one (the first on ties) is taken, and every outer_nesterov run was trained with it
     choice = json.loads((out / "T2" / "equal" / "outer_nesterov-choice" / "choice.json").read_text())
-    scores = [c["uniform_validation_accuracy"] for c in choice["candidates"]]
+    scores = [c["uniform_validation_accuracy"] for c in choice["scores"]]
     for (lr, momentum), score in zip(CANDIDATES, scores):
         run = out / "T2" / "equal" / "outer_nesterov-choice" / "runs" / f"lr{lr:g}-momentum{momentum:g}"
         assert score == pytest.approx(_uniform_validation_accuracy(run), abs=1e-6)
@@ -68,19 +69,20 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
         table = json.loads((out / "T2" / "equal" / gap["operator"] / "results.json").read_text())
         merged, = [r["accuracy"] for r in table if (r["model"], r["task"], r["N"]) == (gap["merge"], "mean", gap["N"])]
         assert gap["gap"] == pytest.approx(100 * (joint_mean - merged), abs=1e-6)
-        low, high = gap["per_seed"][0]["ci95"]
-        assert gap["ci95_over_seeds"] is None and gap["level"] == (low <= 0 <= high)  # one seed: its interval decides
+        low, high = gap["per_seed"][0]["ci95"]  # one seed: its interval decides
+        assert gap["ci95_over_seeds"] is None
+        assert gap["standing"] == ("below" if low > 0 else "above" if high < 0 else "level")
         cost, = [c for c in costs if (c["operator"], c["run"]) == (gap["operator"], f"N{gap['N']}-seed0")]
         assert gap["syncs"] == gap["N"] - 1 == cost["plan_syncs"] and gap["cpu_s_per_fit"] == cost["cpu_s"] > 0
     # W = T = 2: each process sends and receives one task's state per sync, so the bytes grow with the syncs
     bytes_at = {g["N"]: g["federated_bytes_per_process"] for g in report["rows"] if g["operator"] == "uniform"}
     assert bytes_at[4] == 3 * bytes_at[2] > 0
-    for smallest in report["smallest_level"]:
-        level = sorted(g["N"] for g in report["rows"] if g["level"] and
-                       (g["operator"], g["merge"]) == (smallest["operator"], smallest["merge"]))
-        assert smallest["N"] == (level[0] if level else None)
+    for smallest in report["smallest_reaching"]:
+        reaching = sorted(g["N"] for g in report["rows"] if g["standing"] in ("level", "above") and
+                          (g["operator"], g["merge"]) == (smallest["operator"], smallest["merge"]))
+        assert smallest["N"] == (reaching[0] if reaching else None)
     markdown = (out / "gap.md").read_text()
-    assert "## T = 2" in markdown and "reused from an earlier study (not trained again): none" in markdown
+    assert "## T = 2" in markdown and "Runs reused from an earlier study (not trained again): none." in markdown
     assert (out / "joint_gap_vs_syncs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # a second call trains and chooses nothing
@@ -98,11 +100,33 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
         copied = again / run.relative_to(out)
         assert final_bytes(copied) == final_bytes(run)
         assert json.loads((copied / "cost.json").read_text())["reused_from"] == str(run)
-    assert json.loads((again / "gap.json").read_text())["rows"] == [
-        {**g, "reused": [f"N{g['N']}-seed0"]} for g in report["rows"]]
+    reported = json.loads((again / "gap.json").read_text())
+    assert reported["rows"] == [{**g, "reused": [f"N{g['N']}-seed0"]} for g in report["rows"]]
+    assert len(reported["reused"]) == 8 and "T2/equal/uniform/joint" in reported["reused"]
     other = {**base, "model": {**base["model"], "lr": 2e-3}}
     run_config = study.fit_run_config(study.cell_config(other, grid.cells[0], 4, TASKS), {"iterations": 2}, 0,
                                       tmp_path / "third" / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", False)
     assert not study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", run_config)
+    same = study.fit_run_config(study.cell_config(base, grid.cells[0], 4, TASKS), {"iterations": 2}, 0, tmp_path / "x", False)
+    assert study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", same)
+    other_precision = {**same, "trainer": {**same["trainer"], "precision": "bf16-true"}}  # the weights differ
+    assert not study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", other_precision)
     assert not study.reuse_earlier_run(out, tmp_path / "third", Path(run_config["out"]), run_config)
     assert "not reusing" in capsys.readouterr().out and not Path(run_config["out"]).exists()
+
+
+def test_the_standing_against_the_joint_model_over_several_seeds():
+    """The standing from made-up claims (joint minus merge): the Student t interval over the seeds and
+    each seed's interval, by the rule study_gap's docstring states."""
+    load_study()  # puts benchmarks/ on the path
+    gap = importlib.import_module("study_gap").standing
+
+    def claim(over, *seeds):
+        return {"ci95_over_seeds": over, "per_seed": [{"ci95": list(seed)} for seed in seeds]}
+
+    assert gap(claim([-0.5, 1.0], (-1, 1), (-0.2, 0.9), (-2, 0.1))) == "level"
+    assert gap(claim([-0.5, 1.0], (-1, 1), (0.2, 0.9), (-2, 0.1))) == "below"  # one seed's interval excludes 0
+    assert gap(claim([0.3, 1.0], (-1, 1), (-0.2, 0.9), (-2, 0.1))) == "below"  # the seeds' interval does
+    assert gap(claim([-2.0, -0.1], (-1, 1), (-0.2, 0.9), (-2, 0.1))) == "above"  # the merge higher over the seeds
+    assert gap(claim([-0.5, 1.0], (-1, -0.1), (0.2, 0.9), (-2, 0.1))) == "mixed"
+    assert gap(claim(None, (-0.3, 0.2))) == "level" and gap(claim(None, (0.1, 0.2))) == "below"
