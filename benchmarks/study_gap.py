@@ -100,7 +100,8 @@ def gap_rows(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping],
                 if compared is None:
                     pending.append(claim.second.label())
                     continue
-                measured = [c for c in run_costs if c.get("cpu_complete", True)]
+                # cost.json before cpu_complete: whole unless resumed (an earlier attempt's seconds were not kept)
+                measured = [c for c in run_costs if c.get("cpu_complete", not c.get("resumed", False))]
                 found.append({
                     "T": cell.tasks, "operator": cell.operator, "N": n, "syncs": n - 1, "merge": merge,
                     "merged": merged, "task_models": _summary(rows, cell.tasks, cell.operator, n, FINE_TUNED),
