@@ -130,3 +130,23 @@ def test_the_standing_against_the_joint_model_over_several_seeds():
     assert gap(claim([-2.0, -0.1], (-1, 1), (-0.2, 0.9), (-2, 0.1))) == "above"  # the merge higher over the seeds
     assert gap(claim([-0.5, 1.0], (-1, -0.1), (0.2, 0.9), (-2, 0.1))) == "mixed"
     assert gap(claim(None, (-0.3, 0.2))) == "level" and gap(claim(None, (0.1, 0.2))) == "below"
+
+
+def test_a_run_stopped_and_resumed_counts_the_seconds_of_both_attempts(tmp_path, small_clip):
+    """A study run stopped mid-fit (RUN/STOP at its step 3) keeps that attempt's seconds in
+    cost.partial.json; the attempt that finishes adds them into cost.json, which says it is whole."""
+    study = load_study()
+    base = tiny_study_base(small_clip)
+    base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.TouchStopAtStep", "init_args": {"step": 3}}]
+    cell = study.Cell(2, "equal", "uniform", (2,), ("uniform",), joint=False)
+    grid = study.Grid("tiny-stop", (0,), (cell,), steps=4, family=TASKS, select_on_val=False)
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit):
+        study.run_study(base, grid, out)
+    run = out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0"
+    partial = json.loads((run / "cost.partial.json").read_text())
+    assert partial["attempts"] == 1 and partial["cpu_s"] > 0 and not (run / "cost.json").exists()
+    study.run_study(base, grid, out)  # the stop at step 3 lies behind the resumed run
+    cost = json.loads((run / "cost.json").read_text())
+    assert cost["resumed"] and cost["cpu_complete"] and not (run / "cost.partial.json").exists()
+    assert cost["cpu_s"] > partial["cpu_s"] and cost["wall_s"] > partial["wall_s"]
