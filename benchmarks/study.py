@@ -201,7 +201,8 @@ OUTER_CANDIDATES = ((0.5, 0.5), (0.5, 0.9), (0.7, 0.5), (0.7, 0.9), (1.0, 0.5), 
 def gap_grid(seeds: Sequence[int] = (0, 1, 2)) -> Grid:
     """Issue 50: at T = 8, then 12, equal budgets S = 200: the uniform sync (MIMA) with the joint model,
     outer Nesterov at the same N, ATM at N = 8 and 40; each run merged by uniform, task arithmetic,
-    TIES and TSV. 78 fits and the 6 of the outer choice; the earlier study's N = 8 and joint runs reused."""
+    TIES and TSV. 78 runs and the 6 of the outer choice, one of which is also the outer cell's T = 8,
+    N = 40, seed 0 run (copied, 83 fits); the earlier study's N = 8 and joint runs reused where present."""
     cells = []
     for tasks in (8, 12):
         cells += [Cell(tasks, "equal", "uniform", GAP_ITERATIONS, GAP_MERGES, joint=True),
@@ -325,26 +326,28 @@ def same_training(earlier: Path, run_config: Mapping) -> bool:
     return all(stored.get(key) == value for key, value in others.items())
 
 
-def reuse_earlier_run(earlier: Path | None, out: Path, run_path: Path, run_config: Mapping) -> bool:
-    """Copy the finished run of an earlier study at the same place under `earlier` (e.g. runs/study's
-    T8/equal/uniform/runs/N8-seed0) into `run_path`, when it trained exactly what this one would; its
-    cost.json then records where it came from. False (nothing done) otherwise: the run is trained here."""
-    if earlier is None or run_path.exists():
+def reuse_earlier_run(sources: Sequence[Path], run_path: Path, run_config: Mapping) -> bool:
+    """Copy into `run_path` the first finished run of `sources` that trained exactly what this one
+    would (an earlier study's run at the same place, e.g. runs/study's T8/equal/uniform/runs/N8-seed0,
+    or outer Nesterov's chosen candidate); its cost.json then records where it came from. False
+    (nothing done) where none did: the run is trained here."""
+    if run_path.exists():
         return False
-    source = Path(earlier) / run_path.relative_to(out)
-    if not (source / COST_FILE).is_file():
-        return False
-    if not same_training(source, run_config):
-        print(f"study: not reusing {source}: it was trained with other settings than {run_path} needs")
-        return False
-    staging = run_path.with_name(f".{run_path.name}.copying")  # a copy cut short is never taken for a run
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging, symlinks=True)
-    cost = read_json(staging / COST_FILE)
-    (staging / COST_FILE).write_text(json.dumps({**cost, "reused_from": str(source)}, indent=2) + "\n")
-    staging.rename(run_path)
-    print(f"study: reusing {source} (trained by an earlier study with the same settings)")
-    return True
+    for source in sources:
+        if not (source / COST_FILE).is_file():
+            continue
+        if not same_training(source, run_config):
+            print(f"study: not reusing {source}: it was trained with other settings than {run_path} needs")
+            continue
+        staging = run_path.with_name(f".{run_path.name}.copying")  # a copy cut short is never taken for a run
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(source, staging, symlinks=True)
+        cost = read_json(staging / COST_FILE)
+        (staging / COST_FILE).write_text(json.dumps({**cost, "reused_from": str(source)}, indent=2) + "\n")
+        staging.rename(run_path)
+        print(f"study: reusing {source} (trained with the same settings)")
+        return True
+    return False
 
 
 PARTIAL_COST_FILE = "cost.partial.json"  # the CPU and wall seconds of a run's earlier, stopped attempts
@@ -385,16 +388,29 @@ def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> d
 
 
 def fit_or_reuse(run_config: dict, tasks: int, joint: bool, label: str, grid: Grid, out: Path,
-                 earlier: Path | None, what: str) -> None:
+                 earlier: Path | None, what: str, twins: Sequence[Path] = ()) -> None:
     """One run of the study (`what` says which, for the log), measured into its cost.json; copied
-    instead from an earlier study (`earlier`) that trained the same run."""
+    instead from an earlier study (`earlier`) or from one of `twins` (runs of this study) that trained
+    the same run."""
     run_path = Path(run_config["out"])
-    if reuse_earlier_run(earlier, out, run_path, run_config):
+    sources = [Path(earlier) / run_path.relative_to(out)] if earlier is not None else []
+    if reuse_earlier_run([*sources, *twins], run_path, run_config):
         return
     print(f"study: {what}: fitting {label}")
     cost = fit_measured(run_config, tasks, joint, grid.name)
     (run_path / COST_FILE).write_text(json.dumps({"label": label, **cost}, indent=2) + "\n")
     (run_path / PARTIAL_COST_FILE).unlink(missing_ok=True)
+
+
+def chosen_twin(grid: Grid, cell: Cell, iterations: int | None, seed: int, out: Path,
+                operator_args: Mapping | None) -> tuple[Path, ...]:
+    """The outer choice's run of the chosen lr and momentum, where this outer_nesterov run has its T, N
+    and seed: the same training, so it is copied rather than fitted twice."""
+    choice = grid.outer_choice
+    if (choice is None or not operator_args or not takes_outer_choice(cell, grid)
+            or (cell.tasks, iterations, seed) != (choice.tasks, choice.iterations, choice.seed)):
+        return ()
+    return (choice.run_path(out, operator_args["outer_lr"], operator_args["outer_momentum"]),)
 
 
 def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, dry_run: bool,
@@ -414,7 +430,8 @@ def run_cell(base: Mapping, cell: Cell, grid: Grid, out: Path, progress: bool, d
             continue
         run_config = fit_run_config(config, model_settings, seed, run_folder.path, progress)
         fit_or_reuse(run_config, cell.tasks, "mode" in model_settings, label, grid, out, earlier,
-                     f"T={cell.tasks} {cell.budget} {cell.operator}")
+                     f"T={cell.tasks} {cell.budget} {cell.operator}",
+                     chosen_twin(grid, cell, model_settings.get("iterations"), seed, out, operator_args))
     if dry_run:
         for seed in (grid.seeds[1:] if cell.joint else ()):
             if not (folder / "runs" / f"{JOINT}-seed{seed}" / COST_FILE).is_file():

@@ -184,7 +184,7 @@ def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: 
             lines.append(f"| {row['T']} | {row['operator']} | {row['merge']} | {row['N']} | {row['standing']} | "
                          f"{'yes' if row['every_larger_N'] else 'no'} | {row['syncs']} | "
                          f"{format_bytes(row['federated_bytes_per_process'])} | {row['gap']:+.1f} |")
-    lines += ["", "Runs reused from an earlier study (not trained again): " + (", ".join(reused) if reused else "none") + "."]
+    lines += ["", "Runs copied, not trained again (from an earlier study or the outer choice): " + (", ".join(reused) if reused else "none") + "."]
     if pending:
         lines += ["", "Not evaluated yet: " + "; ".join(pending) + "."]
     return "\n".join(lines) + "\n"

@@ -55,6 +55,11 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
     for n in (2, 4):
         saved = RunFolder(out / "T2" / "equal" / "outer_nesterov" / "runs" / f"N{n}-seed0").config_file.read_text()
         assert "outer_nesterov" in saved and f"outer_lr: {lr}" in saved and f"outer_momentum: {momentum}" in saved
+    # the outer cell's run at the choice's N and seed is the chosen candidate's run, copied, not fitted again
+    chosen_run = out / "T2" / "equal" / "outer_nesterov-choice" / "runs" / f"lr{lr:g}-momentum{momentum:g}"
+    twin = out / "T2" / "equal" / "outer_nesterov" / "runs" / "N2-seed0"
+    assert final_bytes(twin) == final_bytes(chosen_run)
+    assert json.loads((twin / "cost.json").read_text())["reused_from"] == str(chosen_run)
 
     # the gap: the joint model's mean test accuracy minus the merge's, as the cells' results.json have them
     report = json.loads((out / "gap.json").read_text())
@@ -82,7 +87,8 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
                           (g["operator"], g["merge"]) == (smallest["operator"], smallest["merge"]))
         assert smallest["N"] == (reaching[0] if reaching else None)
     markdown = (out / "gap.md").read_text()
-    assert "## T = 2" in markdown and "Runs reused from an earlier study (not trained again): none." in markdown
+    assert "## T = 2" in markdown
+    assert "Runs copied, not trained again (from an earlier study or the outer choice): T2/equal/outer_nesterov/N2-seed0." in markdown
     assert (out / "joint_gap_vs_syncs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # a second call trains and chooses nothing
@@ -111,7 +117,7 @@ def test_the_gap_grid_chooses_outer_nesterov_reports_the_gap_and_reuses_runs(tmp
     assert study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", same)
     other_precision = {**same, "trainer": {**same["trainer"], "precision": "bf16-true"}}  # the weights differ
     assert not study.same_training(out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0", other_precision)
-    assert not study.reuse_earlier_run(out, tmp_path / "third", Path(run_config["out"]), run_config)
+    assert not study.reuse_earlier_run([out / "T2" / "equal" / "uniform" / "runs" / "N2-seed0"], Path(run_config["out"]), run_config)
     assert "not reusing" in capsys.readouterr().out and not Path(run_config["out"]).exists()
 
 
