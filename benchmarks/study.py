@@ -66,13 +66,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from offline_suite import suite_config  # noqa: E402
-from study_claims import Claim, Side, claims_markdown, evaluate_claim, mean_std  # noqa: E402
+from study_claims import Claim, Side, claims_markdown, diverged_sides, evaluate_claim, mean_std  # noqa: E402
 from study_gap import write_gap_report  # noqa: E402
 
 from mima.commands.fit.run import run_fit  # noqa: E402
 from mima.commands.sweep import run_settings, run_sweep  # noqa: E402
 from mima.config.run_config import load_run_config  # noqa: E402
-from mima.core.errors import MimaError  # noqa: E402
+from mima.core.errors import MimaError, RunDiverged  # noqa: E402
 from mima.core.bounded_json import read_json  # noqa: E402
 from mima.core.names import JOINT  # noqa: E402
 from mima.core.run_folder import SweepFolder  # noqa: E402
@@ -366,13 +366,18 @@ def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> d
         run_config = {**run_config, "ckpt_path": "last"}
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu, wall = time.process_time(), time.perf_counter()
-    result = run_fit(run_config)
+    diverged = None
+    try:
+        result = run_fit(run_config)
+    except RunDiverged as exc:  # a result too: recorded in cost.json, the run left out of the tables
+        result, diverged = None, exc.report
+        print(f"study: {run_config['out']} diverged ({exc.report}); recorded, the study goes on")
     wall = time.perf_counter() - wall
     cpu = time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     cpu, wall = cpu + earlier["cpu_s"], wall + earlier["wall_s"]
-    if result.preempted_by is not None:
+    if result is not None and result.preempted_by is not None:
         partial_file.write_text(json.dumps({"cpu_s": cpu, "wall_s": wall, "attempts": earlier["attempts"] + 1}) + "\n")
         print(f"study: {run_config['out']} stopped (state saved); run the same command to go on")
         raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)
@@ -384,6 +389,7 @@ def fit_measured(run_config: dict, tasks: int, joint: bool, grid: str = "") -> d
         "plan_sync_bytes": planned_sync_bytes(run_config, 1),
         "plan_sync_bytes_federated": None if joint else planned_sync_bytes(run_config, tasks),
         "plan_cpu_s": None,
+        **({"diverged": diverged} if diverged else {}),
     }
 
 
@@ -556,11 +562,17 @@ def choose_outer(base: Mapping, grid: Grid, out: Path, progress: bool, dry_run: 
             run_config = fit_run_config(config, {"iterations": choice.iterations}, choice.seed, run_path, progress)
             fit_or_reuse(run_config, choice.tasks, False, label, grid, out, earlier,
                          f"T={choice.tasks} outer Nesterov's choice at N={choice.iterations}")
+        if read_json(run_path / COST_FILE).get("diverged"):  # no final models: not a candidate
+            rows.append({**args, "diverged": read_json(run_path / COST_FILE)["diverged"]})
+            continue
         score = validation_score(run_path)
         best.offer(score, (lr, momentum))
         rows.append({**args, "uniform_validation_accuracy": score, "cpu_s": read_json(run_path / COST_FILE)["cpu_s"]})
     if dry_run and len(rows) < len(choice.candidates):
         return None
+    if best.point is None:
+        raise MimaError(f"every outer Nesterov candidate diverged ({', '.join(r['diverged'] for r in rows)}); "
+                        "no choice to make: give the grid other candidates")
     lr, momentum = best.point
     record = {**settings, "scores": rows, "chosen": {"outer_lr": lr, "outer_momentum": momentum}}
     chosen_file.write_text(json.dumps(record, indent=2) + "\n")
@@ -673,14 +685,17 @@ def grid_claims(grid: Grid) -> list[Claim]:
 def write_claims(out: Path, grid: Grid, rows: Sequence[dict]) -> None:
     """OUT/claims.md and claims.json: the comparisons whose cells are evaluated (the others listed),
     and the table of MIMA's gain and the joint gap by T (from them and the summary `rows`)."""
-    found, pending = [], []
+    found, pending, diverged = [], [], []
     for claim in grid_claims(grid):
-        row = evaluate_claim(claim, out, list(grid.seeds))
-        if row is None:
+        lost = diverged_sides(claim, out, list(grid.seeds))
+        row = None if lost else evaluate_claim(claim, out, list(grid.seeds))
+        if lost:
+            diverged.append((claim, lost))
+        elif row is None:
             pending.append(claim)
         else:
             found.append(row)
-    text = claims_markdown(found, pending, grid.seeds) + "\n" + gain_markdown(rows, found)
+    text = claims_markdown(found, pending, grid.seeds, diverged) + "\n" + gain_markdown(rows, found)
     (out / "claims.md").write_text(text)
     (out / "claims.json").write_text(json.dumps(found, indent=2) + "\n")
 

@@ -132,14 +132,31 @@ def evaluate_claim(claim: Claim, out: Path, seeds: Sequence[int]) -> dict | None
     }
 
 
+def diverged_sides(claim: Claim, out: Path, seeds: Sequence[int]) -> list[str]:
+    """Where a run the claim compares diverged (its diverged.json: no final models, so no comparison):
+    "T12 atm N=40 + uniform, seed 0: task mnist diverged: ..."; empty when none did."""
+    from mima.core.run_folder import RunFolder
+
+    found = []
+    for seed in seeds:
+        for side in (claim.first, claim.second):
+            _, run = side.where(out, seed, seeds[0])
+            report = RunFolder(run).divergence() if run.is_dir() else None
+            if report is not None:
+                found.append(f"{side.label()}, seed {seed}: {report}")
+    return found
+
+
 def mean_std(mean: float, std: float | None, signed: bool = False) -> str:
     """'93.4 ± 0.2' (one decimal; no std for one seed); `signed`: '+1.1 ± 0.2'."""
     value = f"{mean:+.1f}" if signed else f"{mean:.1f}"
     return value if std is None else f"{value} ± {std:.1f}"
 
 
-def claims_markdown(rows: Sequence[dict], pending: Sequence[Claim], seeds: Sequence[int]) -> str:
-    """OUT/claims.md: one line per comparison, then those whose cells have not been evaluated yet."""
+def claims_markdown(rows: Sequence[dict], pending: Sequence[Claim], seeds: Sequence[int],
+                    diverged: Sequence[tuple[Claim, list[str]]] = ()) -> str:
+    """OUT/claims.md: one line per comparison, then those not compared because a run diverged
+    (`diverged`: each with where), then those whose cells have not been evaluated yet."""
     lines = [f"# The study's paired comparisons, seeds {list(seeds)}", "",
              "Difference of the mean test accuracy over the tasks, first minus second, in points: mean ± "
              "sample std over the seeds, the Student t 95 % interval of that mean, and each seed's paired "
@@ -151,6 +168,8 @@ def claims_markdown(rows: Sequence[dict], pending: Sequence[Claim], seeds: Seque
         seeds_text = "; ".join("[{:+.1f}, {:+.1f}]".format(*r["ci95"]) for r in row["per_seed"])
         lines.append(f"| {row['first']} | {row['second']} | {mean_std(row['difference'], row['difference_std'], signed=True)} | {over} | {seeds_text} | "
                      f"{row['verdict']} | {row['says']} |")
+    for claim, where in diverged:
+        lines += ["", f"Not compared, a run diverged: {claim.first.label()} vs {claim.second.label()} ({'; '.join(where)})."]
     if pending:
         lines += ["", "Not evaluated yet: " + "; ".join(f"{c.first.label()} vs {c.second.label()}" for c in pending) + "."]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,9 @@ the Student t 95 % interval over the seeds). Each row's standing against the joi
   level   not distinguishable: the interval over the seeds holds 0 and so does every seed's own;
   below   the joint model higher by the interval over the seeds or at some seed, and never lower;
   above   the merge higher by the interval over the seeds or at some seed, and never lower;
-  mixed   higher at one seed, lower at another.
+  mixed   higher at one seed, lower at another;
+  diverged  a run of that N stopped with a NaN or inf loss or weight at some seed (its diverged.json):
+          no merged model there, no gap; it does not reach the joint model.
 A merge *reaches* the joint model when it is level or above; the report gives the smallest N at which
 it does, and whether every larger N of the cell does too. Beside it:
 the syncs (N - 1: every phase after the first starts from a merge), the bytes a federated layout
@@ -30,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from study_claims import Claim, Side, evaluate_claim, mean_std  # noqa: E402
+from study_claims import Claim, Side, diverged_sides, evaluate_claim, mean_std  # noqa: E402
 
 from mima.core.names import FINE_TUNED, JOINT  # noqa: E402
 
@@ -96,18 +98,23 @@ def gap_rows(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping],
                 joint = _summary(rows, cell.tasks, "uniform", n, JOINT) or _summary_any_n(rows, cell.tasks)
                 # both cells' tables in this process's rows too (a cell another process evaluated: pending
                 # until the whole grid's process has read it), so that no row shows a gap without its accuracies
-                compared = evaluate_claim(claim, out, list(grid.seeds)) if merged and joint else None
-                if compared is None:
+                lost = diverged_sides(claim, out, list(grid.seeds))
+                compared = evaluate_claim(claim, out, list(grid.seeds)) if merged and joint and not lost else None
+                if compared is None and not lost:
                     pending.append(claim.second.label())
                     continue
-                # cost.json before cpu_complete: whole unless resumed (an earlier attempt's seconds were not kept)
-                measured = [c for c in run_costs if c.get("cpu_complete", not c.get("resumed", False))]
+                if lost:  # no model at that seed: no gap, and it does not reach the joint model
+                    compared = {"difference": None, "difference_std": None, "ci95_over_seeds": None, "per_seed": [],
+                                "verdict": "not compared: " + "; ".join(lost)}
+                # cost.json before cpu_complete: whole unless resumed (an earlier attempt's seconds were not
+                # kept); a run that diverged stopped short of S, so its seconds are not a fit's
+                measured = [c for c in run_costs if c.get("cpu_complete", not c.get("resumed", False)) and not c.get("diverged")]
                 found.append({
                     "T": cell.tasks, "operator": cell.operator, "N": n, "syncs": n - 1, "merge": merge,
                     "merged": merged, "task_models": _summary(rows, cell.tasks, cell.operator, n, FINE_TUNED),
                     "joint": joint, "gap": compared["difference"], "gap_std": compared["difference_std"],
                     "ci95_over_seeds": compared["ci95_over_seeds"], "per_seed": compared["per_seed"],
-                    "verdict": compared["verdict"], "standing": standing(compared),
+                    "verdict": compared["verdict"], "standing": "diverged" if lost else standing(compared),
                     "federated_bytes_per_process": statistics.fmean(federated) if federated else None,
                     "cpu_s_per_fit": statistics.fmean(c["cpu_s"] for c in measured) if measured else None,
                     "cpu_fits": len(measured), "fits": len(run_costs),
@@ -170,7 +177,7 @@ def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: 
                 cpu += f" ({row['cpu_fits']} of {row['fits']} fits measured whole)"
             lines.append(f"| {row['operator']} | {row['N']} | {row['syncs']} | {format_bytes(row['federated_bytes_per_process'])} | "
                          f"{cpu} | {_accuracy(row['task_models'])} | {row['merge']} | {_accuracy(row['merged'])} | "
-                         f"{_accuracy(row['joint'])} | {mean_std(row['gap'], row['gap_std'], signed=True)} | "
+                         f"{_accuracy(row['joint'])} | {'-' if row['gap'] is None else mean_std(row['gap'], row['gap_std'], signed=True)} | "
                          f"{_interval(row['ci95_over_seeds'])} | {per_seed} | {row['standing']} | {row['verdict']} |")
         lines.append("")
     lines += ["## The smallest N at which a merge reaches the joint model (level or above)", "",
@@ -204,8 +211,12 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
         for j, merge in enumerate(merges):
             axis = axes[i][j]
             for operator in operators:
-                line = sorted((r for r in gaps if (r["T"], r["merge"], r["operator"]) == (tasks, merge, operator)),
-                              key=lambda r: r["syncs"])
+                every = sorted((r for r in gaps if (r["T"], r["merge"], r["operator"]) == (tasks, merge, operator)),
+                               key=lambda r: r["syncs"])
+                lost = [max(r["syncs"], 1) for r in every if r["gap"] is None]
+                if lost:  # diverged at some seed: no gap to draw; a cross on the zero line marks the N
+                    axis.scatter(lost, [0.0] * len(lost), marker="x", s=60, color=colours[operator], zorder=3)
+                line = [r for r in every if r["gap"] is not None]
                 if not line:
                     continue
                 syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
@@ -227,7 +238,8 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 axis.set_xlabel("syncs (N - 1)")
             if j == 0:
                 axis.set_ylabel("joint - merged (points)")
-    axes[0][-1].legend(title="operator at the sync (ring: reaches joint)", fontsize=7, title_fontsize=7)
+    axes[0][-1].legend(title="operator at the sync (ring: reaches joint;\ncross: a run diverged)", fontsize=7,
+                       title_fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

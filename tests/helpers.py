@@ -1007,6 +1007,22 @@ class TouchStopAtStep(Callback):
             (Path(trainer.default_root_dir) / "STOP").touch()
 
 
+class PoisonAtStep(Callback):
+    """At the start of process step `step` of rank `rank`: one encoder weight becomes NaN, so that the
+    step's loss is NaN (as a run that diverged would have it). `iterations`: only in a run of that N
+    (one run of a sweep or study diverges, the others not)."""
+
+    def __init__(self, step: int, rank: int = 0, iterations: int | None = None) -> None:
+        self.step, self.rank, self.iterations = step, rank, iterations
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.iterations is not None and pl_module.hparams.iterations != self.iterations:
+            return
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                next(pl_module.encoder.parameters()).view(-1)[0] = float("nan")
+
+
 class RaiseAtStep(Callback):
     """A Python error at the end of step `step` (a bug or a bad batch found mid-run)."""
 

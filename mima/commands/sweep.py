@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mima.config.run_config import load_run_config
-from mima.core.errors import MimaError
+from mima.core.errors import MimaError, RunDiverged
 from mima.core.bounded_json import read_json
 from mima.core.plan import check_budget
 from mima.core.names import JOINT
@@ -68,12 +68,21 @@ def run_sweep(
     seeds_note = "" if seeds is None else f", seeds {list(seeds)}"
     print(f"{title}: S={model.steps} steps per task, N in {list(iterations)}{seeds_note}")
     prepare_embedded_model(model, progress)
-    run_dirs = []
+    run_dirs, diverged = [], {}
     for model_settings, seed, run_folder, label in run_settings(sweep, iterations, seeds, joint):
         run_config = sweep_run_config(config, model_settings, seed, run_folder, overwrite, progress)
-        run_dirs.append(fit_sweep_run(run_config, label, title))
+        run_dir = fit_sweep_run(run_config, label, title)
+        if run_dir is None:
+            diverged[str(run_folder.path.relative_to(sweep.path))] = run_folder.divergence()
+        else:
+            run_dirs.append(run_dir)
+    if not run_dirs or all(RunFolder(run).is_joint() for run in run_dirs):
+        raise MimaError(f"{title}: every MIMA run of the sweep diverged ({'; '.join(diverged.values())}); "
+                        "nothing to evaluate (a lower model.lr is the usual remedy)")
     if seeds is not None:  # selection.json records them beside the caller's extra
         extra = {**(extra or {}), "seeds": list(seeds)}
+    if diverged:  # selection.json and results.md name the runs left out
+        extra = {**(extra or {}), "diverged": diverged}
     return evaluate_runs(
         run_dirs, out_dir, [m.name for m in methods], select_on_val, overwrite=True, title=title,
         extra=extra, started=started,
@@ -114,12 +123,23 @@ def sweep_run_config(config: Mapping, model_settings: dict, seed: int | None, ru
     return run_config
 
 
-def fit_sweep_run(run_config: dict, label: str, title: str) -> Path:
+def fit_sweep_run(run_config: dict, label: str, title: str) -> Path | None:
     """Fit one run of the sweep and return its folder. A signal (or RUN/STOP) that stops the fit after
     saving stops the sweep too (SystemExit), rather than going on to the next run; the same command
-    resumes it."""
+    resumes it. A run that diverges, now or in an earlier call (its diverged.json: a resume would
+    repeat it), is left out: None, and the sweep goes on with the others."""
+    run_folder = RunFolder(run_config["out"])
+    earlier = None if run_config.get("overwrite") else run_folder.divergence()
+    if earlier is not None:
+        print(f"{title}: {label} diverged in an earlier call ({earlier}); left out (remove "
+              f"{run_folder.diverged_file} to fit it again)")
+        return None
     run_started = time.time()
-    result = run_fit(run_config)
+    try:
+        result = run_fit(run_config)
+    except RunDiverged as diverged:
+        print(f"{title}: {label} diverged ({diverged.report}); left out, the sweep goes on")
+        return None
     if result.preempted_by is not None:
         print(f"{title}: {label} stopped (state saved); run the same command to go on")
         raise SystemExit(128 + result.preempted_by if result.preempted_by else 0)

@@ -16,6 +16,9 @@ A run folder, written by `mima fit` (and read by merge, evaluate, analyze, repor
     checkpoints/                per-process resumable checkpoints while the run is under way (layout:
                                 mima.training.checkpoint_callback); removed when it finishes (--keep_checkpoints)
     STOP                        `touch RUN/STOP` asks a running job to save its state and stop
+    diverged.json               written when the fit stopped because it diverged ({"report": "task T diverged:
+                                loss nan at process step 1621"}); removed when a later attempt finishes the run.
+                                A sweep or study leaves such a run out instead of fitting it again
     logs/                       Lightning's CSV logger
     analysis/<name>/            outputs of `mima analyze <name>`
     evaluation/                 this run's own results files, written by `mima evaluate --resume`
@@ -129,6 +132,10 @@ class RunFolder:
         return self.path / "STOP"
 
     @property
+    def diverged_file(self) -> Path:
+        return self.path / "diverged.json"
+
+    @property
     def logs_dir(self) -> Path:
         return self.path / "logs"
 
@@ -157,7 +164,7 @@ class RunFolder:
     def training_outputs(self) -> list[Path]:
         """What `mima fit` writes (and `--overwrite` removes)."""
         return [self.config_file, self.config_changes_file, self.data_listing_file, self.pretrained_file,
-                self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir]
+                self.metrics_file, self.final_dir, self.logs_dir, self.checkpoints_dir, self.diverged_file]
 
     @property
     def mlflow_store(self) -> Path:
@@ -183,6 +190,20 @@ class RunFolder:
 
     def is_finished(self) -> bool:
         return any(self.final_dir.glob("*.json"))
+
+    def divergence(self) -> str | None:
+        """What made the fit stop as diverged (diverged.json's report), or None: it did not, or a later
+        attempt finished it."""
+        if not self.diverged_file.is_file():
+            return None
+        record = read_json(self.diverged_file)
+        report = record.get("report") if isinstance(record, dict) else None
+        if not isinstance(report, str):
+            raise MimaError(f"{self.diverged_file}: expected {{\"report\": \"...\"}} as `mima fit` writes it")
+        return report
+
+    def write_divergence(self, report: str) -> None:
+        write_json_atomic(self.diverged_file, {"report": report})
 
     def is_joint(self) -> bool:
         """A joint multi-task run: one final model for all tasks (final/joint.safetensors)."""

@@ -232,7 +232,9 @@ def write_results(
     sweep.result_file("results.json").unlink(missing_ok=True)
     write_text_atomic(sweep.result_file("results.csv"), csv_text(results))
     training = (extra or {}).get("training")  # training_setup's record: stated in results.md's header
-    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title, training=training))
+    diverged = (extra or {}).get("diverged")  # runs a sweep left out: stated under the header
+    write_text_atomic(sweep.result_file("results.md"), markdown_text(results, title=title, training=training,
+                                                                     diverged=diverged))
     with_seed = several_seeds(results)
     selection = [
         {"N": r.N, **({"seed": r.seed} if with_seed else {}), "model": r.model, "hparams": r.hparams,

@@ -157,13 +157,17 @@ def _training_lines(training: Mapping | Sequence[Mapping] | None) -> list[str]:
 
 
 def markdown_text(
-    results: Sequence[ModelResult], title: str = "Results", training: Mapping | Sequence[Mapping] | None = None
+    results: Sequence[ModelResult], title: str = "Results", training: Mapping | Sequence[Mapping] | None = None,
+    diverged: Mapping[str, str] | None = None,
 ) -> str:
     """Per-N Table-1 style tables (abs / rel / gap per task) and a summary across N, after a line on
-    how the runs were trained (`training`: from `training_setup`; schedule, precision, clipping).
-    An N with several seeds gets the mean ± std table over them, then one table per seed."""
+    how the runs were trained (`training`: from `training_setup`; schedule, precision, clipping) and
+    one per run left out because it diverged (`diverged`: {run: report}). An N with several seeds gets
+    the mean ± std table over them, then one table per seed."""
     reference = fine_tuned_by_run(results)
     lines = [f"# {title}", "", *_training_lines(training)]
+    if diverged:
+        lines += [f"Left out, diverged (no final models): {run}: {report}." for run, report in diverged.items()] + [""]
     if seed_summaries(results):
         lines += ["Where an N has several runs that differ only in the seed, a cell is the mean ± the sample "
                   "standard deviation over the seeds. A model measured once and repeated beside every seed's run "

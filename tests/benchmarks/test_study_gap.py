@@ -156,3 +156,35 @@ def test_a_run_stopped_and_resumed_counts_the_seconds_of_both_attempts(tmp_path,
     cost = json.loads((run / "cost.json").read_text())
     assert cost["resumed"] and cost["cpu_complete"] and not (run / "cost.partial.json").exists()
     assert cost["cpu_s"] > partial["cpu_s"] and cost["wall_s"] > partial["wall_s"]
+
+
+def test_a_run_that_diverges_is_recorded_and_reported_as_diverged(tmp_path, small_clip):
+    """N = 4 diverges at its process step 2 (tests.helpers.PoisonAtStep): its cost.json says so, the study
+    goes on, and the gap report shows that N as diverged (no gap; it does not reach the joint model)."""
+    study = load_study()
+    base = tiny_study_base(small_clip)
+    base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.PoisonAtStep", "init_args": {"step": 2, "iterations": 4}}]
+    cell = study.Cell(2, "equal", "uniform", (2, 4), ("uniform",), joint=True)
+    grid = study.Grid("tiny-diverged", (0,), (cell,), steps=4, family=TASKS, select_on_val=False, joint_gap=True)
+    out = tmp_path / "study"
+    study.run_study(base, grid, out)
+    run = out / "T2" / "equal" / "uniform" / "runs" / "N4-seed0"
+    report = RunFolder(run).divergence()
+    cost = json.loads((run / "cost.json").read_text())
+    # K = 1: each phase takes one step of each task in turn, so process step 2 is the first task's
+    assert report == cost["diverged"] == f"task {TASKS[0]} diverged: loss nan at process step 2" and cost["cpu_s"] > 0
+    gap = json.loads((out / "gap.json").read_text())
+    rows = {(row["N"], row["merge"]): row for row in gap["rows"]}
+    assert set(rows) == {(2, "uniform"), (4, "uniform")} and gap["pending"] == []
+    lost = rows[(4, "uniform")]
+    assert lost["standing"] == "diverged" and lost["gap"] is None and lost["cpu_fits"] == 0
+    assert lost["verdict"] == f"not compared: T2 MIMA N=4 + uniform, seed 0: {report}"
+    kept = rows[(2, "uniform")]
+    assert kept["gap"] is not None and kept["standing"] in ("level", "below", "above")
+    smallest, = gap["smallest_reaching"]
+    assert smallest["N"] == (2 if kept["standing"] in ("level", "above") else None)
+    assert smallest["every_larger_N"] in (None, False)  # N = 4 never reaches the joint model
+    claims = (out / "claims.md").read_text()
+    assert f"Not compared, a run diverged: T2 MIMA N=4 + uniform vs T2 MIMA N=2 + uniform (T2 MIMA N=4 + uniform, seed 0: {report})." in claims
+    assert "| diverged |" in (out / "gap.md").read_text()
+    assert (out / "joint_gap_vs_syncs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

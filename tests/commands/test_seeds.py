@@ -124,6 +124,35 @@ def test_two_seeds_two_runs_mean_and_std_over_them_and_resume_per_seed(tmp_path,
         sweep()
 
 
+def test_a_run_that_diverges_is_left_out_and_the_sweep_goes_on(tmp_path, small_clip, capsys):
+    """N = 2 diverges at its process step 2 (tests.helpers.PoisonAtStep); N = 1 is fitted and evaluated,
+    the table names the run left out, and the sweep called again does not fit it again."""
+    out = tmp_path / "sweep"
+    config = fit_config(out, small_clip, TASKS, steps=4, iterations=1)
+    config.pop("out")
+    config["trainer"]["callbacks"] = [{"class_path": "tests.helpers.PoisonAtStep", "init_args": {"step": 2, "iterations": 2}}]
+
+    def sweep(iterations=(1, 2)):
+        return run_sweep(config, out, iterations=list(iterations), merges=["uniform"], select_on_val=False,
+                         progress=False, seeds=[0])
+
+    assert {result.N for result in sweep()} == {1}
+    run = out / "runs" / "N2-seed0"
+    report = json.loads((run / "diverged.json").read_text())["report"]
+    assert report == "task mirror diverged: loss nan at process step 2"  # K = 2: rot90 takes steps 0-1, mirror 2-3
+    assert not (run / "final").exists() and (out / "runs" / "N1-seed0" / "final").is_dir()
+    assert f"N=2, seed 0 diverged ({report}); left out" in capsys.readouterr().out
+    assert json.loads((out / "selection.json").read_text())["diverged"] == {"runs/N2-seed0": report}
+    assert f"Left out, diverged (no final models): runs/N2-seed0: {report}." in (out / "results.md").read_text().splitlines()
+    assert {row["N"] for row in _rows(out)} == {1}
+    before = _rows(out)
+    sweep()  # again: the diverged run is not fitted again (a resume would repeat it), the same table
+    assert "N=2, seed 0 diverged in an earlier call" in capsys.readouterr().out
+    assert _rows(out) == before
+    with pytest.raises(MimaError, match=r"every MIMA run of the sweep diverged \(task mirror diverged: loss nan"):
+        sweep(iterations=(2,))
+
+
 def _offline_suite():
     spec = importlib.util.spec_from_file_location("offline_suite", ROOT / "benchmarks" / "offline_suite.py")
     module = importlib.util.module_from_spec(spec)

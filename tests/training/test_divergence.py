@@ -1,12 +1,13 @@
 """A run whose loss becomes NaN or inf stops after that step with one line; nothing non-finite is written.
 
-The divergence is provoked by a callback of this file (`PoisonAtStep`, loaded by `mima fit` by class
+The divergence is provoked by a callback (`tests.helpers.PoisonAtStep`, loaded by `mima fit` by class
 path) that turns one encoder weight into NaN at the start of a step, so that step's loss is NaN, or one
 that makes a gradient inf under clipping. Every state left on disk is read back here and checked element by element.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -19,29 +20,17 @@ from lightning.pytorch.callbacks import Callback
 from torch.profiler import ProfilerActivity, profile
 
 from mima.cli import main
+from mima.core.run_folder import RunFolder
 from mima.core.safetensors_io import load_state_dict
 from mima.training.divergence import nonfinite_key
-from tests.helpers import TWO, assert_identical, finals, run_job, write_config
+from tests.helpers import TWO, assert_identical, finals, run_command, run_job, write_config
 
 MARK = "__mima_file__"  # a state's reference to a file, spelled independently of mima.training.checkpoint_format
 
 
-class PoisonAtStep(Callback):
-    """At the start of process step `step` of rank `rank`: one encoder weight becomes NaN, so that the
-    step's loss is NaN (as a run that diverged would have it)."""
-
-    def __init__(self, step: int, rank: int = 0) -> None:
-        self.step, self.rank = step, rank
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            with torch.no_grad():
-                next(pl_module.encoder.parameters()).view(-1)[0] = float("nan")
-
-
 def poisoned_config(path: Path, clip: str, devices: int, step: int, rank: int = 0, **model) -> Path:
     config = yaml.safe_load(write_config(path, clip, TWO, devices, model=model or None).read_text())
-    config["trainer"]["callbacks"] = [{"class_path": f"{__name__}.PoisonAtStep", "init_args": {"step": step, "rank": rank}}]
+    config["trainer"]["callbacks"] = [{"class_path": "tests.helpers.PoisonAtStep", "init_args": {"step": step, "rank": rank}}]
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -98,6 +87,7 @@ def test_a_run_that_diverges_stops_with_one_line_and_resumes_from_its_last_good_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"mima fit: resuming from the state of phase 0 at process step 8 ({state})" in resumed.stdout.splitlines()
     assert_identical(finals(out, TWO), reference(1, TWO))
+    assert not (out / "diverged.json").exists()  # the run has finished: it no longer counts as diverged
 
 
 def test_a_run_that_diverges_before_its_first_checkpoint_says_so(tmp_path, small_clip):
@@ -108,6 +98,12 @@ def test_a_run_that_diverges_before_its_first_checkpoint_says_so(tmp_path, small
                         "it (nothing non-finite was written; --ckpt_path last starts afresh)"), lines[0]
     assert not (out / "final").exists()
     assert states(out) == []
+    # the run folder keeps what happened, for a sweep or study called again (which then does not refit it)
+    report = json.loads((out / "diverged.json").read_text())["report"]
+    assert report == "task rot90 diverged: loss nan at process step 2" and RunFolder(out).divergence() == report
+    evaluated = run_command(["evaluate", out, "--out", tmp_path / "table"])
+    assert evaluated.returncode == 2 and evaluated.stderr.strip() == (
+        f"mima evaluate: error: {out}: diverged ({report}); it has no final/ task models to evaluate")
 
 
 def test_a_joint_run_whose_weights_diverge_writes_no_final_model(tmp_path, small_clip):

@@ -126,6 +126,9 @@ def finished_run(path: Path) -> RunFolder:
     if not path.is_dir():
         raise MimaError(f"{path}: a file, not a run folder (give folders written by `mima fit --out`)")
     run = RunFolder(path)
+    divergence = run.divergence()
+    if divergence is not None and not run.is_finished():
+        raise MimaError(f"{path}: diverged ({divergence}); it has no final/ task models to evaluate")
     if not run.is_finished():
         raise MimaError(f"{path}: not a finished run (no final/ task models; resume it with `mima fit ... --ckpt_path last`)")
     run.iterations()  # reads the final models' metadata: a damaged file is named before anything is written

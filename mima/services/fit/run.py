@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mima.core.environment import global_rank, requeue_slurm_job
-from mima.core.errors import MimaError
+from mima.core.errors import MimaError, RunDiverged
 from mima.core.run_folder import RunFolder
 from mima.core.run_lock import RunLock
 from mima.services.fit.build import FitRun, build_trainer
@@ -122,7 +122,8 @@ def outcome(run: FitRun, folder: RunFolder, launch: Launch) -> FitResult:
         if not (trainer.is_global_zero and global_rank() == 0):
             # the line is process 0's (one line per job, not one per process); the others fail without it
             raise SystemExit(2)
-        raise MimaError(f"{stop.divergence}; {last_good_checkpoint(folder, launch)}")
+        folder.write_divergence(stop.divergence)  # for a sweep or study called again: not fitted once more
+        raise RunDiverged(f"{stop.divergence}; {last_good_checkpoint(folder, launch)}", stop.divergence)
     stopped_by = run.checkpoint.stopped_by if run.checkpoint is not None else None
     if stopped_by is not None and trainer.is_global_zero:
         cause = f"signal {stopped_by}" if stopped_by else f"{folder.stop_file}"
@@ -143,6 +144,8 @@ def outcome(run: FitRun, folder: RunFolder, launch: Launch) -> FitResult:
                         f"{global_rank()} without a stop request; the run is unfinished (final/ lacks "
                         f"{', '.join(missing_finals(folder, run.datamodule.task_names, run.model.hparams.mode))}): "
                         "resume it with --ckpt_path last")
+    if stopped_by is None and trainer.is_global_zero and global_rank() == 0:
+        folder.diverged_file.unlink(missing_ok=True)  # an earlier attempt diverged; this one finished the run
     return FitResult(run.run_dir, stopped_by, finished_now=stopped_by is None)
 
 
