@@ -162,7 +162,8 @@ def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: 
              "joint model is higher): mean ± std over the seeds, the Student t 95 % interval over the seeds and each "
              "seed's paired bootstrap 95 % interval on the same test images; the standing against the joint model: "
              "level (none of them excludes 0), below (joint higher, never lower), above (merge higher, never lower), "
-             "mixed; the verdict as benchmarks/study_claims.py words it. "
+             "mixed, or diverged (a run of that N diverged at some seed: no merged model there, no gap); the verdict as "
+             "benchmarks/study_claims.py words it. "
              "Syncs = N - 1; bytes: sent + received per process over the syncs in a federated layout "
              "(W = T, `mima plan`); CPU s: measured per fit, mean over the seeds.", ""]
     for tasks in sorted({row["T"] for row in gaps}):
