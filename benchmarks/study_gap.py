@@ -40,7 +40,12 @@ GAP_FIGURE = "joint_gap_vs_syncs.png"
 SAYS = "the joint gap (issue 50)"
 
 
-REACHES = ("level", "above")  # the standings in which a merge has reached the joint model
+REACHES = ("level", "above")
+# The figure's y axis: linear up to LINEAR_GAP points and logarithmic beyond, in a row where some gap
+# passes COLLAPSED_GAP (a merge that collapsed); GAP_TICKS label it.
+LINEAR_GAP, COLLAPSED_GAP = 10.0, 20.0
+GAP_TICKS = (-5, -2, 0, 2, 4, 6, 8, 10, 20, 50, 100)
+OPERATOR_NAMES = {"uniform": "uniform average (MIMA)", "outer_nesterov": "outer Nesterov", "atm": "ATM"}  # the legend's  # the standings in which a merge has reached the joint model
 
 
 def standing(claim: Mapping) -> str:
@@ -200,7 +205,8 @@ def gap_markdown(gaps: Sequence[Mapping], smallest: Sequence[Mapping], pending: 
 
 def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
     """The joint gap against the syncs: one panel per (T, final merge), one line per operator, the
-    Student t interval over the seeds shaded; 0 (level) dashed."""
+    Student t interval over the seeds shaded; 0 (level) dashed; a row where some gap passes COLLAPSED_GAP
+    gets a y axis linear up to LINEAR_GAP and logarithmic beyond."""
     task_counts = sorted({row["T"] for row in gaps})
     merges = list(dict.fromkeys(row["merge"] for row in gaps))
     operators = list(dict.fromkeys(row["operator"] for row in gaps))
@@ -221,7 +227,8 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 if not line:
                     continue
                 syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
-                axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator], label=operator)
+                axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator],
+                          label=OPERATOR_NAMES.get(operator, operator))
                 level = [(s, r["gap"]) for s, r in zip(syncs, line) if r["standing"] in REACHES]
                 if level:  # a ring: the merge reaches the joint model (level or above)
                     axis.scatter([s for s, _ in level], [g for _, g in level], s=110, facecolors="none",
@@ -231,6 +238,13 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                     axis.fill_between([s for s, _ in shaded], [c[0] for _, c in shaded], [c[1] for _, c in shaded],
                                       color=colours[operator], alpha=0.15, linewidth=0)
             axis.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
+            row_gaps = [r["gap"] for r in gaps if r["T"] == tasks and r["gap"] is not None]
+            if max(map(abs, row_gaps), default=0.0) > COLLAPSED_GAP:
+                # a merge that collapsed (tens of points) would flatten the few points near level that the
+                # figure is about: linear up to LINEAR_GAP, logarithmic beyond
+                axis.set_yscale("symlog", linthresh=LINEAR_GAP, linscale=2.0)
+                gap_ticks = [t for t in GAP_TICKS if min(row_gaps) - 2 <= t <= 1.5 * max(row_gaps)]
+                axis.set_yticks(gap_ticks, [f"{t:g}" for t in gap_ticks])
             axis.set_xscale("log")
             axis.set_xticks(ticks, [str(t) for t in ticks])
             axis.minorticks_off()
@@ -239,9 +253,14 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 axis.set_xlabel("syncs (N - 1)")
             if j == 0:
                 axis.set_ylabel("joint - merged (points)")
-    axes[0][-1].legend(title="operator at the sync (ring: reaches joint;\ncross: a run diverged)", fontsize=7,
-                       title_fontsize=7)
-    figure.tight_layout()
+    labelled = {}  # every operator's line once, from whichever panel has it
+    for axis in axes.flat:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    figure.legend(list(labelled.values()), list(labelled), loc="lower center", ncol=max(len(labelled), 1), fontsize=8,
+                  title="operator at the sync (ring: the merge reaches the joint model; cross: a run diverged)",
+                  title_fontsize=8, frameon=False)
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
