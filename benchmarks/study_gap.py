@@ -31,6 +31,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 from study_claims import Claim, Side, diverged_sides, evaluate_claim, mean_std  # noqa: E402
 
@@ -103,7 +104,9 @@ def gap_rows(out: Path, grid, rows: Sequence[Mapping], costs: Sequence[Mapping],
                 joint = _summary(rows, cell.tasks, "uniform", n, JOINT) or _summary_any_n(rows, cell.tasks)
                 # both cells' tables in this process's rows too (a cell another process evaluated: pending
                 # until the whole grid's process has read it), so that no row shows a gap without its accuracies
-                lost = diverged_sides(claim, out, list(grid.seeds))
+                # a run that diverged is reported once its cell is (the cell's sweep has evaluated the others)
+                evaluated = any((r["T"], r["budget"], r["operator"]) == (cell.tasks, "equal", cell.operator) for r in rows)
+                lost = diverged_sides(claim, out, list(grid.seeds)) if evaluated and joint else []
                 compared = evaluate_claim(claim, out, list(grid.seeds)) if merged and joint and not lost else None
                 if compared is None and not lost:
                     pending.append(claim.second.label())
@@ -227,8 +230,7 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 if not line:
                     continue
                 syncs = [max(r["syncs"], 1) for r in line]  # N = 1 (no sync) at 1 on the log axis
-                axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator],
-                          label=OPERATOR_NAMES.get(operator, operator))
+                axis.plot(syncs, [r["gap"] for r in line], marker="o", color=colours[operator])
                 level = [(s, r["gap"]) for s, r in zip(syncs, line) if r["standing"] in REACHES]
                 if level:  # a ring: the merge reaches the joint model (level or above)
                     axis.scatter([s for s, _ in level], [g for _, g in level], s=110, facecolors="none",
@@ -253,12 +255,10 @@ def plot_gap(gaps: Sequence[Mapping], path: Path) -> None:
                 axis.set_xlabel("syncs (N - 1)")
             if j == 0:
                 axis.set_ylabel("joint - merged (points)")
-    labelled = {}  # every operator's line once, from whichever panel has it
-    for axis in axes.flat:
-        for handle, label in zip(*axis.get_legend_handles_labels()):
-            labelled.setdefault(label, handle)
+    handles = [Line2D([], [], color=colours[operator], marker="o") for operator in operators]
     figure.tight_layout(rect=(0, 0.07, 1, 1))
-    figure.legend(list(labelled.values()), list(labelled), loc="lower center", ncol=max(len(labelled), 1), fontsize=8,
+    figure.legend(handles, [OPERATOR_NAMES.get(o, o) for o in operators], loc="lower center", ncol=max(len(operators), 1),
+                  fontsize=8,
                   title="operator at the sync (ring: the merge reaches the joint model; cross: a run diverged)",
                   title_fontsize=8, frameon=False)
     figure.savefig(path, dpi=120)
