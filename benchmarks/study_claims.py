@@ -133,18 +133,20 @@ def evaluate_claim(claim: Claim, out: Path, seeds: Sequence[int]) -> dict | None
 
 
 def diverged_sides(claim: Claim, out: Path, seeds: Sequence[int]) -> list[str]:
-    """Where a run the claim compares diverged (its diverged.json: no final models, so no comparison):
-    "T12 atm N=40 + uniform, seed 0: task mnist diverged: ..."; empty when none did."""
+    """Where a run the claim compares diverged (its diverged.json: no final models, so no comparison),
+    one entry per side and report, its seeds together: "T12 atm N=40 + uniform, seeds 0, 1, 2: task
+    mnist diverged: ..."; empty when none did."""
     from mima.core.run_folder import RunFolder
 
-    found = []
+    seeds_of: dict[tuple[str, str], list[int]] = {}  # (side, report) -> the seeds it diverged at, in order
     for seed in seeds:
         for side in (claim.first, claim.second):
             _, run = side.where(out, seed, seeds[0])
             report = RunFolder(run).divergence() if run.is_dir() else None
             if report is not None:
-                found.append(f"{side.label()}, seed {seed}: {report}")
-    return found
+                seeds_of.setdefault((side.label(), report), []).append(seed)
+    return [f"{label}, seed{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {report}"
+            for (label, report), found in seeds_of.items()]
 
 
 def mean_std(mean: float, std: float | None, signed: bool = False) -> str:

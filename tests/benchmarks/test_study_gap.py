@@ -188,3 +188,24 @@ def test_a_run_that_diverges_is_recorded_and_reported_as_diverged(tmp_path, smal
     assert f"Not compared, a run diverged: T2 MIMA N=4 + uniform vs T2 MIMA N=2 + uniform (T2 MIMA N=4 + uniform, seed 0: {report})." in claims
     assert "| diverged |" in (out / "gap.md").read_text()
     assert (out / "joint_gap_vs_syncs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_diverged_runs_are_named_once_per_side_and_report_with_their_seeds(tmp_path):
+    """Three seeds that diverged at the same step are one entry with their seeds (the gap table's
+    verdict stays one line); a seed with another report is its own entry; a run that did not diverge
+    is not named."""
+    load_study()
+    from study_claims import Claim, Side, diverged_sides
+
+    out = tmp_path / "study"
+    claim = Claim(Side("T8/equal/uniform", "joint"), Side("T8/equal/atm", "uniform", 40), "the joint gap")
+    reports = {0: "task mnist diverged: loss nan at process step 1561", 1: None,
+               2: "task mnist diverged: loss nan at process step 1561", 3: "task digits diverged: weight inf at process step 9"}
+    for seed, report in reports.items():
+        run = RunFolder(out / "T8" / "equal" / "atm" / "runs" / f"N40-seed{seed}")
+        run.path.mkdir(parents=True)
+        if report is not None:
+            run.write_divergence(report)
+    assert diverged_sides(claim, out, [0, 1, 2, 3]) == [
+        f"T8 atm N=40 + uniform, seeds 0, 2: {reports[0]}", f"T8 atm N=40 + uniform, seed 3: {reports[3]}"]
+    assert diverged_sides(claim, out, [1]) == []
