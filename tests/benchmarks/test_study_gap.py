@@ -191,7 +191,7 @@ def test_a_run_that_diverges_is_recorded_and_reported_as_diverged(tmp_path, smal
 
 
 def test_diverged_runs_are_named_once_per_side_and_report_with_their_seeds(tmp_path):
-    """Three seeds that diverged at the same step are one entry with their seeds (the gap table's
+    """Two seeds that diverged at the same step are one entry with their seeds (the gap table's
     verdict stays one line); a seed with another report is its own entry; a run that did not diverge
     is not named."""
     load_study()
